@@ -1,0 +1,51 @@
+"""Typed configuration: dataclass schemas, YAML files and ``key=value`` overrides, validated once.
+
+Every run's settings are a dataclass (the schema, with each field documented where it is
+defined). YAML files and command-line overrides are merged onto it through OmegaConf, and any
+mistake comes back as one ``ValueError`` that names the key and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+T = TypeVar("T")
+
+
+def _field_names(schema) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def load_config(schema: type[T], overrides: list[str] = (), yaml_files: list[str | Path] = ()) -> T:
+    """Build a ``schema`` instance from its defaults, then ``yaml_files``, then ``key=value`` overrides."""
+    cfg = OmegaConf.structured(schema)
+    try:
+        for path in yaml_files:
+            if not Path(path).is_file():
+                raise ValueError(f"config file {path} does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        bad = [item for item in overrides if "=" not in item]
+        if bad:
+            raise ValueError(f"override {bad[0]!r} is not of the form key=value (keys: {', '.join(_field_names(schema))})")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        result = OmegaConf.to_object(cfg)
+    except ConfigKeyError as err:
+        raise ValueError(f"unknown config key {err.full_key or err.key!r}; known keys: {', '.join(_field_names(schema))}") from None
+    except ValidationError as err:
+        raise ValueError(f"config key {err.full_key!r}: {err.msg.splitlines()[0]}") from None
+    except OmegaConfBaseException as err:
+        raise ValueError(f"bad config: {err}") from None
+    check = getattr(result, "validate", None)
+    if check is not None:
+        check()
+    return result
+
+
+def to_yaml(config) -> str:
+    """The resolved config as YAML, written into every run folder."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -1,0 +1,50 @@
+"""The `FlowModel` contract: what the rollout engine and the trainer may ask of a model.
+
+One interface covers the embedded pixel-space model and diffusers pipelines (a text encoder,
+a denoiser, and a VAE or none; images or video). The engine never touches a component
+directly: it encodes prompts, asks for velocities and decodes latents through these methods,
+so adding a model family means writing one adapter, nothing else.
+
+Time convention, used everywhere in flowloop: ``x_t = (1 - t) x0 + t eps``, sampling runs
+from t = 1 (noise) to t = 0 (data), and ``velocity`` predicts ``eps - x0``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class FlowModel(Protocol):
+    """A text-to-image (or video) flow-matching model, seen by the engine and the trainer."""
+
+    tokenizer: object
+    """A transformers fast tokenizer (``PreTrainedTokenizerFast``), with a chat template."""
+
+    max_sequence_length: int
+    """Prompt embeddings are always padded to this many tokens; longer prompts are an error."""
+
+    def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
+        """Shape of one sample's latent (no batch axis); raises ValueError on a bad resolution."""
+
+    def encode_prompt(
+        self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids ``[B, L]`` -> (prompt_embeds ``[B, L, D]``, prompt_embeds_mask ``[B, L]``)."""
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        prompt_embeds_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Predicted velocity ``eps - x0`` at noise level ``sigma`` ``[B]``; same shape as latents."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images ``[B, C, H, W]`` (or video ``[B, T, C, H, W]``), float in [0, 1]."""
+
+    def trainable_module(self) -> torch.nn.Module:
+        """The module RL updates (the denoiser); the text encoder and VAE stay frozen."""

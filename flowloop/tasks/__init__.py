@@ -1,0 +1,1 @@
+"""Tasks with verifiable rewards; `shapes` is the embedded default (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""Training: pretraining of the embedded model, evaluation, and (later) the FlowGRPO recipe."""

@@ -1,0 +1,44 @@
+import json
+
+import numpy as np
+from PIL import Image
+
+from flowloop.cli import main
+from flowloop.tasks import shapes
+
+
+def test_eval_writes_json_and_grid(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    grid = tmp_path / "grid.png"
+    code = main(["eval", "--model", str(tiny_model_dir), "--samples-per-prompt", "1", "--steps", "2",
+                 "--json", str(out), "--grid", str(grid)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"accuracy", "score", "per_category", "n"}
+    assert result["n"] == sum(len(shapes.split_prompts("heldout", c)) for c in shapes.CATEGORIES)
+    assert set(result["per_category"]) == set(shapes.CATEGORIES)
+    assert 0.0 <= result["accuracy"] <= result["score"] <= 1.0
+    assert Image.open(grid).size[0] > 100
+    assert "overall" in capsys.readouterr().out
+
+
+def test_generate_writes_pngs(tiny_model_dir, tmp_path):
+    code = main(["generate", "two red circles", "--out", str(tmp_path), "--num", "2", "--steps", "2",
+                 "--model", str(tiny_model_dir), "--upscale", "1"])
+    assert code == 0
+    files = sorted(tmp_path.glob("*.png"))
+    assert [f.name for f in files] == ["two_red_circles_seed0.png", "two_red_circles_seed1.png"]
+    a, b = (np.asarray(Image.open(f)) for f in files)
+    assert a.shape == (16, 16, 3) and not np.array_equal(a, b)
+
+
+def test_bad_prompt_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
+    code = main(["generate", "two pink circles", "--out", str(tmp_path), "--model", str(tiny_model_dir)])
+    assert code == 2
+    assert "pink" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_bad_override_names_the_key(capsys):
+    assert main(["pretrain", "stepz=3"]) == 2
+    assert "unknown config key 'stepz'" in capsys.readouterr().err
