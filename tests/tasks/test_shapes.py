@@ -3,7 +3,6 @@
 import dataclasses
 import hashlib
 import json
-import time
 
 import numpy as np
 import pytest
@@ -78,15 +77,6 @@ def test_verifier_rejects_uniform_noise(scenes, size):
     rng = np.random.default_rng(2)
     noise = [rng.random((size, size, 3)) for _ in scenes]
     assert accuracy(noise, scenes) <= 0.02
-
-
-def test_verifier_is_fast(scenes, renders):
-    # Measured ~0.7 ms at 32 and ~1.2 ms at 64 on a 2-core CPU; the bounds leave room for a busy machine.
-    for size, bound_ms in ((32, 4.0), (64, 15.0)):
-        start = time.perf_counter()
-        for image, scene in zip(renders[size][:200], scenes[:200]):
-            verify(image, scene.spec)
-        assert (time.perf_counter() - start) / 200 * 1e3 < bound_ms
 
 
 # ---- targeted verifier behaviour -----------------------------------------------------------
