@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=["train", "heldout"], default="heldout")
     p.add_argument("--json", default=None, help="write {accuracy, score, per_category, n} here")
     p.add_argument("--grid", default=None, help="also save a PNG grid of the samples here")
-    p.add_argument("--samples-per-prompt", type=int, default=4)
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="seeds seed..seed+k-1 per prompt; 8 keeps small categories from being noisy")
     p.add_argument("--steps", type=int, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
