@@ -41,8 +41,10 @@ def cmd_generate(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     seeds = [args.seed + k for k in range(args.num)]
     model.tokenize([args.prompt])  # fail fast on unknown words, before any sampling
+    resolution = args.resolution or model.default_resolution
+    model.latent_shape(resolution, resolution)  # and on a resolution the model cannot take
     bar, update = _progress(args.num, "generate")
-    images = ode_sample(model, [args.prompt] * args.num, seeds, args.steps, args.guidance_scale, progress=update)
+    images = ode_sample(model, [args.prompt] * args.num, seeds, args.steps, args.guidance_scale, resolution, progress=update)
     bar.close()
     stem = "_".join(args.prompt.lower().split())[:60]
     for seed, image in zip(seeds, images):
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--steps", type=int, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--resolution", type=int, default=None, help="square image size (default: the model's own)")
     p.add_argument("--upscale", type=int, default=4, help="nearest-neighbour upscale of the saved PNGs")
     p.add_argument("--model", default=None, help=model_help)
     p.set_defaults(func=cmd_generate)

@@ -39,6 +39,12 @@ def test_bad_prompt_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
     assert not list(tmp_path.glob("*.png"))
 
 
+def test_bad_resolution_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
+    code = main(["generate", "a circle", "--out", str(tmp_path), "--model", str(tiny_model_dir), "--resolution", "18"])
+    assert code == 2
+    assert "patch_size=4" in capsys.readouterr().err
+
+
 def test_bad_override_names_the_key(capsys):
     assert main(["pretrain", "stepz=3"]) == 2
     assert "unknown config key 'stepz'" in capsys.readouterr().err
