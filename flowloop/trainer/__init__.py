@@ -1,1 +1,2 @@
-"""Training: pretraining of the embedded model, evaluation, and (later) the FlowGRPO recipe."""
+"""Training: pretraining of the embedded model, evaluation, and the FlowGRPO building blocks
+(`advantages`, `losses`, `checkpoint`, `metrics_log`) that the RL recipe wires together."""

@@ -1,0 +1,440 @@
+"""Checkpoints and run folders: atomic writes, validation by hash, resume, never overwrite a run.
+
+A run folder (`new_run_dir`) holds ``checkpoints/step_{N:06d}/``, each with
+
+    model.safetensors   the trained weights (full weights or adapters: whatever dict is passed)
+    optimizer.pt        optimizer.state_dict()                       (when given)
+    schedulers.pt       [scheduler.state_dict(), ...]                (when given)
+    state.pt            step, RNG states, data position, extra       (plain types and tensors)
+    manifest.json       format, step, and every file's size and sha256, written last
+
+A checkpoint is written into a temporary folder beside its final place, every file fsynced, then
+renamed into place, so a crash leaves either a complete checkpoint or a ``.tmp`` folder that is
+never read. `latest_valid_checkpoint` re-hashes every file against the manifest and skips (with a
+warning) any folder that does not match. ``.pt`` files are loaded with ``weights_only=True``, so
+``data_state`` and ``extra`` must hold plain Python types and tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "LoadedCheckpoint",
+    "capture_rng_state",
+    "checkpoint_problem",
+    "latest_valid_checkpoint",
+    "load_checkpoint",
+    "new_run_dir",
+    "resolve_resume",
+    "restore_rng_state",
+    "save_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "flowloop.checkpoint/1"
+MANIFEST = "manifest.json"
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_REQUIRED = ("model.safetensors", "state.pt")
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What `load_checkpoint` read; optimizer and scheduler states are also loaded into the objects given."""
+
+    path: Path
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict | None = None
+    scheduler_states: list[dict] | None = None
+    rng_state: dict | None = None
+    data_state: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG states
+# ---------------------------------------------------------------------------------------------
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The global RNG states of Python ``random``, numpy, torch CPU and (when present) every CUDA device."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Set the global RNGs back to a `capture_rng_state` result."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    keys = np.asarray(np_state["keys"], dtype=np.int64).astype(np.uint32)
+    np.random.set_state(
+        (np_state["bit_generator"], keys, np_state["pos"], np_state["has_gauss"], np_state["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(state["cuda"]):
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            logger.warning(
+                "checkpoint has CUDA RNG states for %d devices, found %d: CUDA RNGs not restored",
+                len(state["cuda"]), found,
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike,
+    step: int,
+    model_state: Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    schedulers: Sequence[Any] | None = None,
+    rng_state: Mapping[str, Any] | None = None,
+    data_state: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write ``run_dir/checkpoints/step_{step:06d}/`` atomically and return its path.
+
+    ``optimizer``/``schedulers``: objects with ``state_dict()`` (or state dicts). ``rng_state``:
+    `capture_rng_state()`. ``data_state``: where the data loader is (plain types). ``extra``:
+    anything else to restore (plain types and tensors: advantage tracker, non-finite guard...).
+    ``keep_last``: afterwards delete all but the newest ``keep_last`` step folders (None: keep all).
+    An existing folder for the same step is replaced.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be None (keep all) or an int >= 1, got {keep_last!r}")
+    parent = Path(run_dir) / CHECKPOINTS
+    parent.mkdir(parents=True, exist_ok=True)
+    final = parent / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        # 1. Every file into the temporary folder, each fsynced.
+        save_file(_safetensors_ready(model_state), tmp / "model.safetensors", metadata={"step": str(step)})
+        if optimizer is not None:
+            _torch_save(_state_dict(optimizer), tmp / "optimizer.pt")
+        if schedulers is not None:
+            _torch_save([_state_dict(s) for s in schedulers], tmp / "schedulers.pt")
+        _check_plain(dict(data_state or {}), "data_state")
+        _check_plain(dict(extra or {}), "extra")
+        state = {"step": step, "rng_state": rng_state, "data_state": dict(data_state or {}), "extra": dict(extra or {})}
+        _torch_save(state, tmp / "state.pt")
+        _fsync(tmp / "model.safetensors")
+
+        # 2. The manifest last: a folder without a matching one is never taken as valid.
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+        _write_synced(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+        _fsync_dir(tmp)
+
+        # 3. Rename into place (an old folder for this step is moved aside first, then removed).
+        old = None
+        if final.exists():
+            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{final.name}.", suffix=".old"))
+            os.replace(final, old / final.name)
+        os.replace(tmp, final)
+        _fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last is not None:
+        _prune(parent, keep_last, keep=final)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Find and load
+# ---------------------------------------------------------------------------------------------
+
+
+def checkpoint_problem(path: str | os.PathLike, verify_hashes: bool = True) -> str | None:
+    """None when ``path`` is a complete checkpoint, else what is wrong with it (for messages)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest.json (incomplete write?)"
+    except (OSError, ValueError) as error:
+        return f"unreadable manifest.json ({error})"
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        return f"manifest.json is not a {FORMAT} manifest"
+    for name in _REQUIRED:
+        if name not in manifest["files"]:
+            return f"the manifest does not list {name}"
+    for name, info in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != info.get("bytes"):
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {info.get('bytes')}"
+        if verify_hashes and _sha256(file) != info.get("sha256"):
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True) -> Path | None:
+    """The newest complete checkpoint of ``run_dir`` (None if it has none); newer broken ones are
+    skipped with a warning naming them. ``verify_hashes=False`` checks sizes only (faster for
+    large weights)."""
+    for step, path in sorted(_step_dirs(Path(run_dir) / CHECKPOINTS), reverse=True):
+        problem = checkpoint_problem(path, verify_hashes)
+        if problem is None:
+            return path
+        logger.warning("skipping checkpoint %s: %s", path, problem)
+    return None
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    optimizer: Any = None,
+    schedulers: Sequence[Any] | None = None,
+    map_location: str | torch.device = "cpu",
+    verify_hashes: bool = True,
+) -> LoadedCheckpoint:
+    """Read the checkpoint folder ``path``; a broken one is a ValueError saying what is wrong.
+
+    Loads the optimizer and scheduler states into ``optimizer`` / ``schedulers`` when given (the
+    checkpoint must have them). The model weights (``model_state``) and RNG states
+    (`restore_rng_state`) are returned for the caller to apply.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint folder at {path}")
+    problem = checkpoint_problem(path, verify_hashes)
+    if problem is not None:
+        raise ValueError(f"{path} is not a valid checkpoint: {problem}")
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    ckpt = LoadedCheckpoint(
+        path=path,
+        step=int(state["step"]),
+        model_state=load_file(path / "model.safetensors", device=str(map_location)),
+        rng_state=state["rng_state"],
+        data_state=state["data_state"],
+        extra=state["extra"],
+    )
+    if (path / "optimizer.pt").is_file():
+        ckpt.optimizer_state = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True)
+    if (path / "schedulers.pt").is_file():
+        ckpt.scheduler_states = torch.load(path / "schedulers.pt", map_location="cpu", weights_only=True)
+    if optimizer is not None:
+        if ckpt.optimizer_state is None:
+            raise ValueError(f"{path} has no optimizer state to load")
+        optimizer.load_state_dict(ckpt.optimizer_state)
+    if schedulers is not None:
+        states = ckpt.scheduler_states or []
+        if len(states) != len(schedulers):
+            raise ValueError(f"{path} holds {len(states)} scheduler states, {len(schedulers)} schedulers were given")
+        for scheduler, scheduler_state in zip(schedulers, states):
+            scheduler.load_state_dict(scheduler_state)
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------------
+# Run folders and resume
+# ---------------------------------------------------------------------------------------------
+
+
+def new_run_dir(root: str | os.PathLike, name: str) -> Path:
+    """Create and return a fresh ``root/name`` folder; if that exists, ``root/name-1``, ``-2``...
+
+    Never returns an existing folder (the creation itself is the check, so two runs started at
+    once get two folders).
+    """
+    if not name or name in (".", "..") or "/" in name or os.sep in name:
+        raise ValueError(f"run name must be a plain folder name (no path separators), got {name!r}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for suffix in range(100_000):
+        path = root / (name if suffix == 0 else f"{name}-{suffix}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run folder name for {name!r} under {root}")
+
+
+def resolve_resume(run_dir: str | os.PathLike, resume: str | os.PathLike = "auto") -> Path | None:
+    """The checkpoint a run should continue from, or None to start from scratch.
+
+    - ``"auto"``: the newest valid checkpoint of ``run_dir``; None when it has no checkpoint
+      folder at all; a ValueError when it has some but none is valid (starting over would
+      overwrite that run's logs).
+    - ``"never"``: None; a ValueError if ``run_dir`` already holds checkpoints (a new run needs a
+      new folder: `new_run_dir`).
+    - a path: that checkpoint folder (must be valid), or a run folder's newest valid checkpoint.
+    """
+    run_dir = Path(run_dir)
+    if resume == "never":
+        if _step_dirs(run_dir / CHECKPOINTS):
+            raise ValueError(
+                f"resume=never but {run_dir} already holds checkpoints; start the new run in a new folder (new_run_dir)"
+            )
+        return None
+    if resume == "auto":
+        found = _step_dirs(run_dir / CHECKPOINTS)
+        if not found:
+            return None
+        latest = latest_valid_checkpoint(run_dir)
+        if latest is None:
+            names = ", ".join(p.name for _, p in sorted(found))
+            raise ValueError(
+                f"resume=auto: no valid checkpoint in {run_dir / CHECKPOINTS} (broken: {names}); "
+                "pass resume=<path> or start a new run folder"
+            )
+        return latest
+    path = Path(resume)
+    if not path.exists():
+        raise ValueError(
+            f"resume must be 'auto', 'never' or the path of a checkpoint or run folder; {str(resume)!r} does not exist"
+        )
+    if (path / MANIFEST).exists():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ValueError(f"resume={str(resume)!r} is not a valid checkpoint: {problem}")
+        return path
+    latest = latest_valid_checkpoint(path)
+    if latest is None:
+        raise ValueError(
+            f"resume={str(resume)!r} is neither a checkpoint folder nor a run folder with a valid checkpoint"
+        )
+    return latest
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _step_dirs(parent: Path) -> list[tuple[int, Path]]:
+    if not parent.is_dir():
+        return []
+    found = []
+    for path in parent.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return found
+
+
+def _prune(parent: Path, keep_last: int, keep: Path) -> None:
+    for _, path in sorted(_step_dirs(parent), reverse=True)[keep_last:]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.Tensor)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Only what ``torch.load(weights_only=True)`` reads back: a ValueError names the first other value."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise ValueError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not isinstance(value, _PLAIN):
+        raise ValueError(
+            f"{where} is a {type(value).__name__}; checkpoints hold only None, bool, int, float, str, "
+            "tensors, and lists/tuples/dicts of them (convert it, e.g. with .tolist() or a state_dict())"
+        )
+
+
+def _state_dict(obj: Any) -> dict:
+    return obj if isinstance(obj, Mapping) else obj.state_dict()
+
+
+def _safetensors_ready(model_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, detached; tensors sharing storage (tied weights) are cloned apart."""
+    out, seen = {}, set()
+    for key, value in model_state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model_state[{key!r}] must be a tensor, got {type(value).__name__}")
+        tensor = value.detach().to("cpu").contiguous()
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
