@@ -1,4 +1,4 @@
-"""`flowloop` command line: pretrain, generate, eval.
+"""`flowloop` command line: train, eval, generate, plot, pretrain.
 
 Each command prints what it does, shows a progress bar on long work, and turns bad input
 into a one-line error (exit code 2) that names the field and the fix.
@@ -28,6 +28,27 @@ def cmd_pretrain(args) -> None:
     cfg = load_config(PretrainConfig, args.overrides)
     out = pretrain(cfg, log=lambda msg: print(msg, flush=True))
     print(f"model saved to {out / 'model'} (checkpoints in {out / 'checkpoints'})")
+
+
+def cmd_train(args) -> None:
+    from flowloop.config import load_config
+    from flowloop.config.train import TrainConfig
+    from flowloop.trainer.recipe import run
+
+    cfg = load_config(TrainConfig, args.overrides, [args.config] if args.config else [])
+    from tqdm import tqdm
+
+    summary = run(cfg, log=tqdm.write)  # keeps the live progress line intact
+    before, after = summary["accuracy_before"], summary["accuracy_after"]
+    print(f"\nheld-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) after {summary['steps']} steps")
+    print(f"grids: {summary['grid_before']} (before), {summary['grid_after']} (after)")
+    print(f"metrics: {summary['run_dir']}/metrics.jsonl; curve: flowloop plot {summary['run_dir']}")
+
+
+def cmd_plot(args) -> None:
+    from flowloop.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
 
 
 def cmd_generate(args) -> None:
@@ -82,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pretrain", help="train the embedded shapes model from scratch (key=value overrides)")
     p.add_argument("overrides", nargs="*", help="e.g. steps=20000 batch_size=256 out=runs/pretrain")
     p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("train", help="FlowGRPO on the embedded shapes model (key=value overrides, e.g. rollout.n=8)")
+    p.add_argument("overrides", nargs="*", help="e.g. rollout.n=8 actor.lr=2e-5 trainer.total_steps=100")
+    p.add_argument("--config", default=None, help="a YAML recipe merged before the overrides")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot", help="PNG learning curve (reward, held-out accuracy) from a run's metrics.jsonl")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curve.png)")
+    p.set_defaults(func=cmd_plot)
 
     model_help = "model folder in diffusers layout (default: the embedded shapes model)"
     p = sub.add_parser("generate", help="sample images for one prompt into PNG files")

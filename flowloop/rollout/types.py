@@ -8,10 +8,13 @@ inside the request, so batching never changes a result. Tensors end to end: no n
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from flowloop.sampling import LOGPROB_MODES, sde_window
 
 SAMPLERS = ("ode", "sde", "cps", "dance")
 
@@ -35,7 +38,7 @@ class SamplingParams:
     sde_window_size: int | None = None
     """Consecutive SDE steps (log-probs recorded there only); None = every step but the last."""
     sde_window_range: tuple[int, int] | None = None
-    """The window lies inside steps [lo, hi); None = the whole trajectory."""
+    """The window lies inside steps [lo, hi); None = every step but the last, ``(0, steps - 1)``."""
     logprob_mode: str = "density"
     """CPS only: "density" (true Gaussian) or "flow_grpo" (-||x'-mean||^2, as the public code)."""
     logprobs: bool = True
@@ -61,6 +64,53 @@ class SamplingParams:
         """Requests with equal keys can share a batch: everything but the per-sample seed and step."""
         return dataclasses.astuple(dataclasses.replace(self, seed=None, global_steps=None))
 
+    def window_range(self) -> tuple[int, int]:
+        """``sde_window_range``, or ``(0, num_inference_steps - 1)`` when it is None."""
+        if self.sde_window_range is None:
+            return (0, self.num_inference_steps - 1)
+        return tuple(self.sde_window_range)
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the field for a setting no model can run.
+
+        Model-dependent checks (resolution, prompt length) are `RolloutEngine.validate`'s.
+        """
+        _check_int("height", self.height, 1)
+        _check_int("width", self.width, 1)
+        if self.num_frames is not None:
+            _check_int("num_frames", self.num_frames, 1)
+        _check_int("num_inference_steps", self.num_inference_steps, 1)
+        _check_float("guidance_scale", self.guidance_scale)
+        _check_float("shift", self.shift, positive=True)
+        _check_float("noise_level", self.noise_level, non_negative=True)
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampling_params.sampler: unknown sampler {self.sampler!r}; known: {list(SAMPLERS)}")
+        if self.sampler == "cps" and self.noise_level > 1:
+            raise ValueError(f"sampling_params.noise_level must be in [0, 1] for sampler='cps', got {self.noise_level!r}")
+        if self.logprob_mode not in LOGPROB_MODES:
+            raise ValueError(f"sampling_params.logprob_mode must be one of {list(LOGPROB_MODES)}, got {self.logprob_mode!r}")
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"sampling_params.logprobs must be a bool, got {self.logprobs!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+            raise ValueError(f"sampling_params.seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        if self.sampler == "ode":
+            if self.logprobs:
+                raise ValueError(
+                    "sampling_params.logprobs: sampler='ode' is deterministic and has no log-probs; set logprobs=False"
+                )
+            return
+        # The window's bounds, checked with a throwaway generator (the draw itself is the engine's).
+        try:
+            window = sde_window(self.num_inference_steps, self.sde_window_size, self.window_range(), torch.Generator())
+        except ValueError as err:
+            raise ValueError(f"sampling_params.sde_window_size/sde_window_range: {err}") from None
+        if self.logprobs and len(window) == 0:
+            raise ValueError(
+                f"sampling_params.num_inference_steps={self.num_inference_steps} leaves no SDE step to record "
+                f"log-probs on (the last step is ODE); use more steps, set sde_window_size, or logprobs=False"
+            )
+
 
 @dataclass
 class RolloutRequest:
@@ -69,18 +119,41 @@ class RolloutRequest:
     """Token ids ``[L]`` (int64, unpadded, chat template applied)."""
     sampling_params: SamplingParams
     negative_prompt_ids: torch.Tensor | None = None
-    """Token ids of the negative prompt for true CFG, or None."""
+    """Token ids of the negative prompt for true CFG (needs ``guidance_scale > 1``), or None."""
 
 
 @dataclass
 class DiffusionOutput:
     request_id: str
     diffusion_output: torch.Tensor
-    """Image ``[C, H, W]`` or video ``[T, C, H, W]``, float32 in [0, 1]."""
+    """Image ``[C, H, W]`` or video ``[T, C, H, W]``, float32 in [0, 1], on the CPU."""
     log_probs: torch.Tensor | None = None
     """``[W]`` float32 log-probs of the window's steps; None when not asked for."""
     extra_fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    """``all_latents [W+1, ...]``, ``all_timesteps [W]``, ``prompt_embeds [L, D]``,
-    ``prompt_embeds_mask [L]``, and ``negative_prompt_embeds(_mask)`` with true CFG."""
+    """All on the CPU, each its own storage (no views into a batch). Always:
+    ``prompt_embeds [L, D]`` and ``prompt_embeds_mask [L]`` (padded to ``max_sequence_length``);
+    with ``guidance_scale > 1``, ``negative_prompt_embeds [L, D]`` and
+    ``negative_prompt_embeds_mask [L]`` (the negative prompt's, or the empty prompt's for plain CFG).
+    With ``logprobs``: ``all_latents [W+1, ...]`` float32 (the latent entering the window's first
+    step, then the one after each window step), ``all_timesteps [W]`` (sigma of each window step)
+    and ``all_next_timesteps [W]`` (the sigma it steps to), float32, the exact values sampled with:
+    replaying step ``k`` is ``velocity(all_latents[k], all_timesteps[k])`` then the sampler's step
+    to ``all_next_timesteps[k]`` with ``prev_sample=all_latents[k + 1]``."""
     metrics: dict[str, float] = field(default_factory=dict)
     """``queue_time``, ``generate_time``, ``batch_size`` of the batch this request ran in."""
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"sampling_params.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: Any, positive: bool = False, non_negative: bool = False) -> None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    bad = not math.isfinite(number) or isinstance(value, bool) or (positive and number <= 0) or (non_negative and number < 0)
+    if bad:
+        need = "a finite number" + (" > 0" if positive else " >= 0" if non_negative else "")
+        raise ValueError(f"sampling_params.{name} must be {need}, got {value!r}")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flowloop.rollout import RolloutEngine, RolloutRequest, SamplingParams
 from flowloop.tasks import shapes
 
 
@@ -27,7 +28,6 @@ class EvalResult:
         return {"accuracy": self.accuracy, "score": self.score, "per_category": self.per_category, "n": self.n}
 
 
-@torch.no_grad()
 def ode_sample(
     model,
     prompts: list[str],
@@ -38,56 +38,63 @@ def ode_sample(
     batch_size: int = 64,
     progress=None,
 ) -> np.ndarray:
-    """Euler ODE sampling, one `torch.Generator` per sample; returns uint8 ``[N, H, W, 3]``."""
+    """Euler ODE sampling through `RolloutEngine`, one seed per sample; uint8 ``[N, H, W, 3]``.
+
+    A sample depends only on its prompt and seed, not on ``batch_size`` (up to the model's kernels).
+    """
     resolution = resolution or model.default_resolution
-    shape = model.latent_shape(resolution, resolution)
-    sigmas = torch.linspace(1.0, 0.0, num_steps + 1)
-    use_cfg = guidance_scale > 1.0
+    params = dict(height=resolution, width=resolution, num_inference_steps=num_steps,
+                  guidance_scale=guidance_scale, sampler="ode", logprobs=False)
+    engine = RolloutEngine(model)
     images = []
     for start in range(0, len(prompts), batch_size):
-        chunk, chunk_seeds = prompts[start : start + batch_size], seeds[start : start + batch_size]
-        ids, mask = model.tokenize(chunk)
-        embeds, embeds_mask = model.encode_prompt(ids, mask)
-        if use_cfg:
-            null_embeds, null_mask = model.encode_prompt(*model.tokenize([""] * len(chunk)))
-        x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in chunk_seeds]).to(model.device)
-        for i in range(num_steps):
-            sigma = sigmas[i].expand(len(chunk)).to(model.device)
-            v = model.velocity(x, sigma, embeds, embeds_mask)
-            if use_cfg:
-                v_null = model.velocity(x, sigma, null_embeds, null_mask)
-                v = v_null + guidance_scale * (v - v_null)
-            x = x + v * (sigmas[i + 1] - sigmas[i])
-        decoded = model.decode(x)  # [B, C, H, W] in [0, 1]
-        images.append((decoded * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy())
+        chunk = prompts[start : start + batch_size]
+        ids, mask = model.tokenize(chunk)  # [B, L] right-padded; unknown words are a ValueError
+        requests = [
+            RolloutRequest(f"eval-{start + k}", ids[k][mask[k].bool()], SamplingParams(**params, seed=int(seeds[start + k])))
+            for k in range(len(chunk))
+        ]
+        decoded = torch.stack([out.diffusion_output for out in engine.sample(requests)])  # [B, C, H, W] in [0, 1]
+        images.append(to_uint8_images(decoded))
         if progress is not None:
             progress(len(chunk))
     return np.concatenate(images)
 
 
-def score_images(images: np.ndarray, prompts: list[str], categories: list[str]) -> tuple[EvalResult, list]:
-    """Run the verifier on each image and aggregate overall and per category."""
-    verdicts = [shapes.verify(image, prompt) for image, prompt in zip(images, prompts)]
+def summarize(correct: list[bool], scores: list[float], categories: list[str]) -> EvalResult:
+    """Aggregate per-sample verdicts overall and per category.
+
+    Overall is the mean over categories, as GenEval reports it, so the 180 colour-attribution
+    prompts do not drown the 3 single-object ones.
+    """
     by_category = defaultdict(list)
-    for verdict, category in zip(verdicts, categories):
-        by_category[category].append(verdict)
+    for ok, score, category in zip(correct, scores, categories):
+        by_category[category].append((bool(ok), float(score)))
     per_category = {
         name: {
-            "accuracy": float(np.mean([v.correct for v in items])),
-            "score": float(np.mean([v.score for v in items])),
-            "n": len(items),
+            "accuracy": float(np.mean([ok for ok, _ in rows])),
+            "score": float(np.mean([score for _, score in rows])),
+            "n": len(rows),
         }
-        for name, items in sorted(by_category.items())
+        for name, rows in sorted(by_category.items())
     }
-    # Overall is the mean over categories, as GenEval reports it, so the 180 colour-attribution
-    # prompts do not drown the 3 single-object ones.
-    result = EvalResult(
+    return EvalResult(
         accuracy=float(np.mean([row["accuracy"] for row in per_category.values()])),
         score=float(np.mean([row["score"] for row in per_category.values()])),
         per_category=per_category,
-        n=len(verdicts),
+        n=len(correct),
     )
-    return result, verdicts
+
+
+def score_images(images: np.ndarray, prompts: list[str], categories: list[str]) -> tuple[EvalResult, list]:
+    """Run the verifier on each image and aggregate overall and per category."""
+    verdicts = [shapes.verify(image, prompt) for image, prompt in zip(images, prompts)]
+    return summarize([v.correct for v in verdicts], [v.score for v in verdicts], categories), verdicts
+
+
+def to_uint8_images(images: torch.Tensor) -> np.ndarray:
+    """Float ``[B, C, H, W]`` in [0, 1] -> uint8 ``[B, H, W, C]`` (PNG and grid layout)."""
+    return (images.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
 def eval_plan(split: str, samples_per_prompt: int, seed: int = 0) -> tuple[list[str], list[str], list[int]]:

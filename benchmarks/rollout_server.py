@@ -1,0 +1,96 @@
+"""Rollout server throughput: dynamic batching vs the same requests one at a time.
+
+    .venv/bin/python benchmarks/rollout_server.py [--requests 64] [--max-batch-size 16] [--max-wait-ms 5] [--repeats 3]
+
+On the shipped tiny model (`load_flow_model()`, 32x32), 10 steps, sampler sde (Flow-GRPO's,
+default window: every step but the last, log-probs on), ``--requests`` single-sample requests
+(8 prompts x 8 seeds, as GRPO groups them) run (a) one at a time, ``engine.sample([r])`` each,
+and (b) all at once through `RolloutServer` (``asyncio.gather`` of one `generate` per request).
+Prints samples/s of each, the speed-up, the server's mean batch size and queue time, and
+``torch.get_num_threads()``. Each mode runs ``--repeats`` times, interleaved; the median counts
+(the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import platform
+import statistics
+import time
+
+import torch
+
+from flowloop.models import load_flow_model
+from flowloop.rollout import RolloutEngine, RolloutRequest, RolloutServer, SamplingParams
+from flowloop.tasks import shapes
+
+
+def make_requests(model, n: int, tag: str) -> list[RolloutRequest]:
+    prompts = shapes.split_prompts("train")[:8]
+    ids, mask = model.tokenize(prompts)
+    params = SamplingParams(height=32, width=32, num_inference_steps=10, sampler="sde")
+    return [
+        RolloutRequest(f"{tag}-{k}", ids[k % 8][mask[k % 8].bool()], dataclasses.replace(params, seed=k))
+        for k in range(n)
+    ]
+
+
+def one_at_a_time(engine: RolloutEngine, requests: list[RolloutRequest]) -> float:
+    start = time.perf_counter()
+    for request in requests:
+        engine.sample([request])
+    return len(requests) / (time.perf_counter() - start)
+
+
+def through_server(engine: RolloutEngine, requests: list[RolloutRequest], max_batch_size: int, max_wait_ms: float):
+    async def run():
+        server = RolloutServer(engine, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+        start = time.perf_counter()
+        await asyncio.gather(*(server.generate(r) for r in requests))
+        elapsed = time.perf_counter() - start
+        metrics = server.metrics()
+        await server.stop()
+        return len(requests) / elapsed, metrics
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    model = load_flow_model()
+    engine = RolloutEngine(model)
+    engine.sample(make_requests(model, 16, "warmup"))  # first-call costs out of the way
+    engine.sample(make_requests(model, 1, "warmup"))
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"torch.get_num_threads()={torch.get_num_threads()}")
+    print(f"shipped tiny model, 32x32, 10 steps, sde, {args.requests} requests, "
+          f"max_batch_size={args.max_batch_size}, max_wait_ms={args.max_wait_ms}")
+
+    single, served, batch_sizes, queue_times = [], [], [], []
+    for repeat in range(args.repeats):
+        single.append(one_at_a_time(engine, make_requests(model, args.requests, f"single{repeat}")))
+        rate, metrics = through_server(engine, make_requests(model, args.requests, f"server{repeat}"),
+                                       args.max_batch_size, args.max_wait_ms)
+        served.append(rate)
+        batch_sizes.append(metrics["mean_batch_size"])
+        queue_times.append(metrics["mean_queue_time_s"])
+        print(f"  repeat {repeat}: one at a time {single[-1]:6.1f} samples/s | server {rate:6.1f} samples/s, "
+              f"mean batch {metrics['mean_batch_size']:.1f}")
+
+    one, many = statistics.median(single), statistics.median(served)
+    print(f"one at a time (engine.sample([r]) each): {one:6.1f} samples/s  (median of {args.repeats})")
+    print(f"through RolloutServer, all concurrent:   {many:6.1f} samples/s  (median of {args.repeats})")
+    print(f"speed-up: {many / one:.2f}x   mean batch size: {statistics.median(batch_sizes):.1f}   "
+          f"mean queue time: {1000 * statistics.median(queue_times):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""`AgentLoopManager`: the trainer's one entry to rollout. It splits a batch over N
+`AgentLoopWorker`s, runs the chunks concurrently, puts the rows back in order, applies the
+reward failure policy and sums up the timings.
+
+    manager = AgentLoopManager.create(config, model)            # local: one process, one loop
+    manager = AgentLoopManager.create(config, model, "ray", 2)  # Ray actors, 2 rollout replicas
+    out = manager.generate_sequences(batch)                     # Batch, see AgentLoopWorker
+    manager.shutdown()
+
+Both modes run the same code; only `flowloop.agent_loop.actors` (where handles are made and
+how they are called) knows the difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import torch
+
+from flowloop.agent_loop.actors import call, check_mode, is_remote, make_actor, wait_ready
+from flowloop.agent_loop.worker import ROW_INDEX_KEY, AgentLoopWorker
+from flowloop.config.rollout import RolloutConfig
+from flowloop.protocol import Batch
+from flowloop.reward.worker import ERROR_KEY, RewardWorker
+from flowloop.rollout.engine import RolloutEngine
+from flowloop.rollout.server import RolloutServer
+
+logger = logging.getLogger(__name__)
+
+TIMED = ("generate_time", "queue_time", "reward_time")
+
+
+class AgentLoopManager:
+    """Runs batches through agent-loop workers (objects or Ray actor handles).
+
+    Args:
+        workers: `AgentLoopWorker` objects (local) or actor handles (Ray).
+        failure_policy: ``reward.failure_policy``: "fail" or "drop_group".
+        owned: rollout servers and reward workers to stop in `shutdown` (besides ``workers``).
+    """
+
+    def __init__(self, workers: list, failure_policy: str = "fail", owned: list = ()):
+        if not workers:
+            raise ValueError("AgentLoopManager needs at least one worker")
+        self.workers = list(workers)
+        self.failure_policy = failure_policy
+        self.owned = list(owned)
+        self._loop = asyncio.new_event_loop()  # local objects live in this loop across calls
+
+    @classmethod
+    def create(cls, config: RolloutConfig, model, mode: str = "local", num_replicas: int = 1) -> AgentLoopManager:
+        """Build rollout replicas, reward workers and agent-loop workers from ``config``.
+
+        ``model`` is a `FlowModel`; in Ray mode it is pickled into each replica's actor (Ray
+        starts a local cluster if none is running). ``prompt_length`` and
+        ``max_sequence_length`` left null in ``config`` become the model's ``max_sequence_length``.
+        """
+        check_mode(mode)
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        config.validate()
+        config = dataclasses.replace(
+            config,
+            prompt_length=config.prompt_length or model.max_sequence_length,
+            max_sequence_length=config.max_sequence_length or model.max_sequence_length,
+        )
+        # 1. Rollout replicas; 2. reward workers; 3. agent-loop workers, reaching both through handles.
+        s = config.server
+        servers = [make_actor(RolloutServer, mode, RolloutEngine(model), s.max_batch_size, s.max_wait_ms) for _ in range(num_replicas)]
+        rewards = []
+        if config.reward.name is not None:
+            r = config.reward
+            rewards = [make_actor(RewardWorker, mode, r.name, r.max_batch_size, r.max_wait_ms) for _ in range(r.num_workers)]
+        workers = [
+            make_actor(AgentLoopWorker, mode, config, model.tokenizer, servers, rewards)
+            for _ in range(config.agent.num_workers)
+        ]
+        manager = cls(workers, config.reward.failure_policy, owned=[*servers, *rewards])
+        manager._loop.run_until_complete(wait_ready([*servers, *rewards, *workers]))
+        return manager
+
+    # -- generation ---------------------------------------------------------------------
+    def generate_sequences(self, batch: Batch) -> Batch:
+        """Blocking form of `generate_sequences_async`, run on the manager's own event loop."""
+        return self._loop.run_until_complete(self.generate_sequences_async(batch))
+
+    async def generate_sequences_async(self, batch: Batch) -> Batch:
+        """Generate and score every row; rows come back in input order (see `AgentLoopWorker`).
+
+        ``meta_info`` gains ``timing`` (wall times, per-row means and maxima) and
+        ``reward_dropped_rows`` (rows removed by the ``drop_group`` policy).
+        """
+        start = time.perf_counter()
+        # 1. Every row knows its place in the full batch, so its seed does not depend on the split.
+        added_index = ROW_INDEX_KEY not in batch
+        if added_index:
+            batch = Batch(batch.tensors, dict(batch.non_tensors), batch.meta_info)
+            batch[ROW_INDEX_KEY] = list(range(len(batch)))
+        # 2. Split, run the chunks concurrently, concatenate in order.
+        chunks = batch.chunk(min(len(self.workers), len(batch)))
+        timed = [_timed(call(worker, "generate_sequences", chunk)) for worker, chunk in zip(self.workers, chunks)]
+        results = await asyncio.gather(*timed)
+        output = _concat([out for out, _ in results])
+        if added_index:
+            output = Batch(output.tensors, {k: v for k, v in output.non_tensors.items() if k != ROW_INDEX_KEY}, output.meta_info)
+        # 3. Rows whose reward failed: fail the step, or drop their groups.
+        rows_before = len(output)
+        output = apply_failure_policy(output, self.failure_policy)
+        output.meta_info["reward_dropped_rows"] = rows_before - len(output)
+        output.meta_info["timing"] = _timing(output.meta_info["metrics"], [t for _, t in results], time.perf_counter() - start)
+        return output
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop servers and reward workers, end the actors (Ray mode) and close the event loop."""
+        if self._loop.is_closed():
+            return
+
+        async def stop_all():
+            await asyncio.gather(*(call(h, "stop") for h in self.owned if hasattr(h, "stop")), return_exceptions=True)
+
+        self._loop.run_until_complete(stop_all())
+        for handle in [*self.workers, *self.owned]:
+            if is_remote(handle):
+                import ray
+
+                ray.kill(handle)
+        self._loop.close()
+
+
+def apply_failure_policy(batch: Batch, policy: str) -> Batch:
+    """Resolve rows whose ``rm_scores`` is NaN (their reward failed; the error is in ``reward_error``).
+
+    "fail": raise, naming the failed rows and their errors. "drop_group": drop every row that
+    shares a ``uid`` with a failed row (each row is its own group without a ``uid`` column).
+    """
+    if "rm_scores" not in batch:
+        return batch
+    failed = torch.isnan(batch["rm_scores"][:, 0]).nonzero().flatten().tolist()
+    if not failed:
+        return batch
+    errors = batch[ERROR_KEY] if ERROR_KEY in batch else [None] * len(batch)
+    prompts = batch["raw_prompt"] if "raw_prompt" in batch else [None] * len(batch)
+    first = failed[0]
+    summary = (f"reward failed for {len(failed)} of {len(batch)} rows (rows {failed[:8]}); row {first} "
+               f"(prompt {prompts[first]!r}): {errors[first]}")
+    if policy == "fail":
+        raise RuntimeError(f"{summary}. reward.failure_policy='fail' stops the step; "
+                           "set it to 'drop_group' to drop those rows' groups instead.")
+    groups = batch["uid"] if "uid" in batch else list(range(len(batch)))
+    bad = {groups[i] for i in failed}
+    keep = [i for i in range(len(batch)) if groups[i] not in bad]
+    if not keep:
+        raise RuntimeError(f"{summary}. Every group has a failed row, so drop_group left nothing.")
+    logger.warning("%s; dropping %d rows in %d groups", summary, len(batch) - len(keep), len(bad))
+    return batch[keep]
+
+
+async def _timed(coroutine):
+    start = time.perf_counter()
+    result = await coroutine
+    return result, time.perf_counter() - start
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    """`Batch.concat` after giving every chunk the same non-tensor columns (a reward extra key
+    that only some chunks produced is None in the others)."""
+    keys = list(dict.fromkeys(k for b in batches for k in b.non_tensors))
+    reward_keys = list(dict.fromkeys(k for b in batches for k in b.meta_info.get("reward_extra_keys", [])))
+    filled = []
+    for b in batches:
+        non_tensors = {k: b.non_tensors[k] if k in b.non_tensors else [None] * len(b) for k in keys}
+        meta = dict(b.meta_info)
+        if "reward_extra_keys" in meta:
+            meta["reward_extra_keys"] = reward_keys
+        filled.append(Batch.from_dict(dict(b.tensors.items()), non_tensors, meta))
+    return Batch.concat(filled)
+
+
+def _timing(rows: list[dict], worker_times: list[float], wall: float) -> dict[str, float]:
+    """Batch-level timings in seconds: the call's wall time, the slowest and fastest worker,
+    and the mean and max over rows of each per-row timing."""
+    timing = {
+        "agent_loop/generate_sequences": wall,
+        "agent_loop/worker_max": max(worker_times),
+        "agent_loop/worker_min": min(worker_times),
+    }
+    for key in TIMED:
+        values = torch.tensor([row[key] for row in rows], dtype=torch.float64)
+        if len(values):
+            timing[f"agent_loop/{key}/mean"] = float(values.mean())
+            timing[f"agent_loop/{key}/max"] = float(values.max())
+    return timing

@@ -1,0 +1,151 @@
+"""Schema of `flowloop train`: model, data, rollout, actor, advantage and trainer settings.
+
+Defaults are the embedded shapes recipe, chosen so the default run learns on a laptop CPU;
+``flowloop train rollout.n=8 actor.lr=2e-5`` overrides any key, a YAML file (``--config``) a
+whole recipe. Every value is checked once, in `TrainConfig.validate`, with the key in the error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from flowloop.config.rollout import RolloutConfig
+
+KL_MODES = ("flow_grpo", "exact")
+FINETUNE_MODES = ("full", "lora")
+RESUME_MODES = ("never", "auto")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local model folder in diffusers layout; None = the embedded shapes model."""
+    device: str = "cpu"
+    """Where the model runs (``cpu``, ``cuda``, ``cuda:1``)."""
+
+
+@dataclass
+class DataConfig:
+    train_split: str = "train"
+    """Shapes-world split the training prompts come from (never the held-out one)."""
+    val_split: str = "heldout"
+    """Split validation reports accuracy on."""
+    prompts_per_step: int = 16
+    """Distinct prompts per RL step; each is sampled ``rollout.n`` times (a group)."""
+
+
+@dataclass
+class ActorConfig:
+    finetune: str = "full"
+    """``full`` trains every denoiser weight; ``lora`` trains peft adapters (extra ``peft``)."""
+    lora_rank: int = 16
+    lora_alpha: int = 16
+    lora_target_modules: List[str] = field(default_factory=lambda: ["qkv", "proj"])
+    """Module name suffixes adapted by LoRA; one that matches nothing is an error."""
+    lr: float = 1e-5
+    """AdamW learning rate (after warm-up)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_range: float = 1e-4
+    """PPO ratio clip; flow_grpo's published value for per-element-mean log-probs."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to +-adv_clip_max."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the frozen base model; 0 skips the reference pass."""
+    kl_mode: str = "flow_grpo"
+    """``flow_grpo`` (squared mean gap over 2 s^2, s without sqrt(-dt)) or ``exact`` (Gaussian KL)."""
+    micro_batch_size: int = 32
+    """Rows per forward/backward pass."""
+    mini_batch_size: int = 64
+    """Rows per optimizer step (gradients of micro-batches accumulate)."""
+    inner_epochs: int = 1
+    """Passes over each RL batch."""
+    timestep_fraction: float = 1.0
+    """Share of each row's recorded (SDE-window) steps trained on, taken in order."""
+    skip_old_logprob: bool = True
+    """Use the rollout's log-probs as logp_old (exact with colocated weights: see the
+    rollout-correction metric) instead of a separate no-grad replay."""
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = "grpo"
+    """grpo | global_std | drgrpo | per_prompt (`flowloop.trainer.advantages`)."""
+    drop_zero_std_groups: bool = False
+    """Skip groups whose rewards are all equal (they carry no signal)."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 60
+    """RL steps (each: rollout, advantages, update)."""
+    val_every: int = 10
+    """Validate every k steps (and before the first and after the last)."""
+    val_samples_per_prompt: int = 4
+    """Seeds per held-out prompt in validation."""
+    save_every: int = 20
+    """Checkpoint every k steps (and at the end)."""
+    keep_last: Optional[int] = 2
+    """Checkpoints kept (older ones are pruned); None keeps all."""
+    run_root: str = "runs"
+    run_name: str = "shapes"
+    """The run folder is ``run_root/run_name`` (``-1``, ``-2`` ... appended if it exists)."""
+    resume: str = "never"
+    """``never``, ``auto`` (newest valid checkpoint of ``run_root/run_name``) or a checkpoint path."""
+    seed: int = 0
+    """Seeds prompt sampling and the optimizer's initial state; rollouts use ``rollout.seed``."""
+    tensorboard: bool = False
+    wandb: bool = False
+    num_threads: Optional[int] = None
+    """torch intra-op threads; None keeps torch's default (all cores)."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad key and what it accepts."""
+        self.rollout.validate()
+        _choice("actor.finetune", self.actor.finetune, FINETUNE_MODES)
+        _choice("actor.kl_mode", self.actor.kl_mode, KL_MODES)
+        if self.trainer.resume not in RESUME_MODES and "/" not in self.trainer.resume:
+            raise ValueError(f"trainer.resume must be one of {list(RESUME_MODES)} or a checkpoint path, got {self.trainer.resume!r}")
+        from flowloop.tasks.shapes import SPLITS
+        from flowloop.trainer.advantages import ADVANTAGES
+
+        _choice("advantage.estimator", self.advantage.estimator, sorted(ADVANTAGES))
+        _choice("data.train_split", self.data.train_split, SPLITS)
+        _choice("data.val_split", self.data.val_split, SPLITS)
+        positive = {
+            "data.prompts_per_step": self.data.prompts_per_step, "actor.micro_batch_size": self.actor.micro_batch_size,
+            "actor.mini_batch_size": self.actor.mini_batch_size, "actor.inner_epochs": self.actor.inner_epochs,
+            "actor.lr": self.actor.lr, "actor.clip_range": self.actor.clip_range, "trainer.total_steps": self.trainer.total_steps,
+            "trainer.val_every": self.trainer.val_every, "trainer.save_every": self.trainer.save_every,
+            "trainer.val_samples_per_prompt": self.trainer.val_samples_per_prompt, "rollout.n": self.rollout.n,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{key} must be > 0, got {value}")
+        if self.actor.mini_batch_size % self.actor.micro_batch_size:
+            raise ValueError(f"actor.mini_batch_size={self.actor.mini_batch_size} must be a multiple of "
+                             f"actor.micro_batch_size={self.actor.micro_batch_size}")
+        if not 0 < self.actor.timestep_fraction <= 1:
+            raise ValueError(f"actor.timestep_fraction must be in (0, 1], got {self.actor.timestep_fraction}")
+        if self.actor.kl_coef < 0:
+            raise ValueError(f"actor.kl_coef must be >= 0, got {self.actor.kl_coef}")
+        if not self.rollout.calculate_log_probs:
+            raise ValueError("rollout.calculate_log_probs must be true for training: the update needs logp_old")
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}")

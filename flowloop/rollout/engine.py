@@ -1,0 +1,277 @@
+"""`RolloutEngine`: run one batch of rollout requests on a `FlowModel`, synchronously.
+
+For each request: its own `torch.Generator` (seeded from the request), its own SDE window, its
+own initial noise; the batch shares the text encoder pass (each distinct prompt encoded once) and
+every denoiser call. Rows step with the SDE inside their window and with Euler outside it, so
+requests with different windows share a batch. Everything a row's result depends on is its own,
+so a request gives the same sample alone or in any batch (up to the model's kernels; see
+`tests/rollout/test_engine.py::test_batch_invariance`).
+
+A request's generator is used in this fixed order: (1) the SDE window start (only when
+``sde_window_size`` is set), (2) the initial noise, (3) the noise of each SDE step, in step
+order. Generators live on the CPU, so one seed gives the same sample on the CPU and on a GPU.
+
+Latents stay float32 end to end (the adapter casts them to its own dtype inside ``velocity``); the
+recorded latents and sigmas are the exact tensors stepped with, so the trainer's replay through
+`guided_velocity` and the same step function reproduces a recorded log-prob bit for bit when it
+runs the same weights and kernels on the same batch shape.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from flowloop.models.base import FlowModel
+from flowloop.rollout.types import DiffusionOutput, RolloutRequest, SamplingParams
+from flowloop.sampling import apply_cfg, get_step, needs_uncond, ode_step, randn_per_sample, sde_window, sigmas
+
+__all__ = ["RolloutEngine", "guided_velocity"]
+
+
+def guided_velocity(
+    model: FlowModel,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_embeds_mask: torch.Tensor,
+    guidance_scale: float = 1.0,
+    negative_prompt_embeds: torch.Tensor | None = None,
+    negative_prompt_embeds_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The velocity a sampler steps with; the trainer's replay must call this same function.
+
+    ``guidance_scale <= 1``: the conditional velocity. Otherwise CFG, with the conditional and
+    negative rows in one denoiser call of ``2B`` rows (``[cond; negative]``), then
+    ``apply_cfg``. ``latents [B, ...]``, ``sigma [B]``, embeddings ``[B, L, D]``, masks ``[B, L]``.
+    """
+    if not needs_uncond(guidance_scale):
+        return model.velocity(latents, sigma, prompt_embeds, prompt_embeds_mask)
+    if negative_prompt_embeds is None or negative_prompt_embeds_mask is None:
+        raise ValueError(f"guidance_scale={guidance_scale} > 1 needs negative_prompt_embeds and their mask")
+    v = model.velocity(
+        torch.cat([latents, latents]),
+        torch.cat([sigma, sigma]),
+        torch.cat([prompt_embeds, negative_prompt_embeds]),
+        torch.cat([prompt_embeds_mask, negative_prompt_embeds_mask]),
+    )  # [2B, ...]
+    v_cond, v_uncond = v.chunk(2)
+    return apply_cfg(v_cond, v_uncond, guidance_scale)
+
+
+@dataclass
+class _Record:
+    """One row's trajectory inside its SDE window."""
+
+    latents: list[torch.Tensor] = field(default_factory=list)
+    log_probs: list[torch.Tensor] = field(default_factory=list)
+    timesteps: list[torch.Tensor] = field(default_factory=list)
+    next_timesteps: list[torch.Tensor] = field(default_factory=list)
+
+
+class RolloutEngine:
+    """Batched sampling over a `FlowModel`: ``sample(requests) -> [DiffusionOutput]``."""
+
+    def __init__(self, model: FlowModel):
+        self.model = model
+        self._empty_prompt_ids = _chat_template_ids(model.tokenizer, "")  # the unconditional prompt
+
+    # -- intake -------------------------------------------------------------------------
+    def validate(self, request: RolloutRequest) -> None:
+        """Raise a ValueError naming the field if ``request`` cannot run on this model."""
+        params = request.sampling_params
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request.request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        try:
+            self.model.latent_shape(params.height, params.width, params.num_frames)
+        except ValueError as err:
+            raise ValueError(f"sampling_params.height/width/num_frames: {err}") from None
+        self._check_ids("prompt_ids", request.prompt_ids)
+        if request.negative_prompt_ids is not None:
+            if not needs_uncond(params.guidance_scale):
+                raise ValueError(
+                    f"negative_prompt_ids needs guidance_scale > 1 (true CFG), got guidance_scale={params.guidance_scale}"
+                )
+            self._check_ids("negative_prompt_ids", request.negative_prompt_ids)
+
+    def _check_ids(self, name: str, ids: torch.Tensor) -> None:
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor [L] (unpadded), got {_describe(ids)}")
+        limit = self.model.max_sequence_length
+        if not 1 <= len(ids) <= limit:
+            raise ValueError(f"{name} has {len(ids)} tokens; need 1 to max_sequence_length={limit}")
+        vocab = len(self.model.tokenizer)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"{name} holds ids outside the tokenizer's vocabulary [0, {vocab})")
+
+    # -- sampling -----------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, requests: Sequence[RolloutRequest]) -> list[DiffusionOutput]:
+        """Sample a batch of requests sharing ``sampling_params.batch_key()``; outputs in order."""
+        start = time.perf_counter()
+        # 1. Validate; one batch runs one schedule, one sampler, one resolution.
+        if not requests:
+            return []
+        for request in requests:
+            self.validate(request)
+        params = requests[0].sampling_params
+        if any(r.sampling_params.batch_key() != params.batch_key() for r in requests):
+            raise ValueError("requests in one batch must share sampling_params.batch_key() (all but seed)")
+        module = self.model.trainable_module()
+        device = next(module.parameters()).device
+        was_training = module.training
+        module.eval()
+        try:
+            # 2. Per request: generator, SDE window, initial noise (in this order).
+            generators = [torch.Generator("cpu").manual_seed(_seed(r.sampling_params)) for r in requests]
+            windows = [self._window(params, g) for g in generators]
+            shape = self.model.latent_shape(params.height, params.width, params.num_frames)
+            latents = randn_per_sample(generators, (len(requests), *shape)).to(device)  # [B, *shape]
+            # 3. Prompts, each distinct one encoded once.
+            embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
+            # 4. Denoise, recording each row inside its window.
+            latents, records = self._denoise(latents, params, generators, windows, embeds)
+            # 5. Decode.
+            images = self.model.decode(latents).float()  # [B, C, H, W] or [B, T, C, H, W]
+        finally:
+            module.train(was_training)
+        metrics = {"generate_time": time.perf_counter() - start, "batch_size": float(len(requests))}
+        return [
+            _output(r, images[b], embeds, b, records[b] if params.logprobs else None, metrics)
+            for b, r in enumerate(requests)
+        ]
+
+    def _window(self, params: SamplingParams, generator: torch.Generator) -> range:
+        if params.sampler == "ode":
+            return range(0)
+        return sde_window(params.num_inference_steps, params.sde_window_size, params.window_range(), generator)
+
+    def _encode(self, requests: Sequence[RolloutRequest], cfg: bool, device: torch.device) -> dict[str, torch.Tensor]:
+        """Per-row prompt (and, with CFG, negative or empty prompt) embeddings ``[B, L, D]``."""
+        rows = [r.prompt_ids for r in requests]
+        if cfg:
+            rows += [r.negative_prompt_ids if r.negative_prompt_ids is not None else self._empty_prompt_ids for r in requests]
+        distinct: dict[tuple[int, ...], int] = {}
+        index = [distinct.setdefault(tuple(ids.tolist()), len(distinct)) for ids in rows]  # [B] or [2B]
+        padded = [_pad(torch.tensor(key), self.model) for key in distinct]
+        ids = torch.stack([p[0] for p in padded]).to(device)  # [P, L]
+        mask = torch.stack([p[1] for p in padded]).to(device)  # [P, L]
+        prompt_embeds, prompt_mask = self.model.encode_prompt(ids, mask)  # [P, L, D], [P, L]
+        index = torch.tensor(index, device=prompt_embeds.device)
+        out = {"prompt_embeds": prompt_embeds[index], "prompt_embeds_mask": prompt_mask[index]}  # [B or 2B, L, ...]
+        if not cfg:
+            return out
+        b = len(requests)
+        return {
+            "prompt_embeds": out["prompt_embeds"][:b],
+            "prompt_embeds_mask": out["prompt_embeds_mask"][:b],
+            "negative_prompt_embeds": out["prompt_embeds"][b:],
+            "negative_prompt_embeds_mask": out["prompt_embeds_mask"][b:],
+        }
+
+    def _denoise(
+        self,
+        latents: torch.Tensor,
+        params: SamplingParams,
+        generators: list[torch.Generator],
+        windows: list[range],
+        embeds: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, list[_Record]]:
+        """Run every step; a row takes the SDE step inside its window, the Euler step outside."""
+        step_fn = get_step(params.sampler)
+        step_kwargs = {"logprob_mode": params.logprob_mode} if params.sampler == "cps" else {}
+        schedule = sigmas(params.num_inference_steps, params.shift)  # [N+1] float32
+        batch, device = latents.shape[0], latents.device
+        records = [_Record() for _ in range(batch)]
+        for i in range(params.num_inference_steps):
+            t, t_next = schedule[i], schedule[i + 1]
+            v = guided_velocity(self.model, latents, t.to(device).expand(batch), guidance_scale=params.guidance_scale, **embeds)
+            rows = [b for b in range(batch) if i in windows[b]]
+            if len(rows) < batch:
+                ode = ode_step(v, t, t_next, latents)
+            if not rows:
+                latents = ode.prev_sample
+                continue
+            # Noise only for rows in their window, each from its own generator.
+            noise = torch.zeros_like(latents)  # [B, ...]
+            noise[rows] = randn_per_sample([generators[b] for b in rows], (len(rows), *latents.shape[1:])).to(device)
+            sde = step_fn(v, t, t_next, latents, noise_level=params.noise_level, noise=noise, **step_kwargs)
+            if len(rows) < batch:
+                in_window = torch.zeros(batch, dtype=torch.bool, device=device)
+                in_window[rows] = True
+                in_window = in_window.view(batch, *([1] * (latents.ndim - 1)))  # [B, 1, ...]
+                next_latents = torch.where(in_window, sde.prev_sample, ode.prev_sample)
+            else:
+                next_latents = sde.prev_sample
+            if params.logprobs:
+                for b in rows:
+                    record = records[b]
+                    if not record.latents:
+                        record.latents.append(latents[b])
+                    record.latents.append(next_latents[b])
+                    record.log_probs.append(sde.log_prob[b])
+                    record.timesteps.append(t)
+                    record.next_timesteps.append(t_next)
+            latents = next_latents
+        return latents, records
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _seed(params: SamplingParams) -> int:
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+def _chat_template_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """``prompt`` through the chat template, as the agent loop tokenizes: ids ``[L]``, unpadded."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
+    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
+
+
+def _pad(ids: torch.Tensor, model: FlowModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids ``[l]`` -> (ids, mask) ``[max_sequence_length]``, on the tokenizer's padding side."""
+    length, pad = model.max_sequence_length - len(ids), model.tokenizer.pad_token_id or 0
+    filler = torch.full((length,), pad, dtype=torch.long)
+    ones, zeros = torch.ones(len(ids), dtype=torch.long), torch.zeros(length, dtype=torch.long)
+    if getattr(model.tokenizer, "padding_side", "right") == "left":
+        return torch.cat([filler, ids]), torch.cat([zeros, ones])
+    return torch.cat([ids, filler]), torch.cat([ones, zeros])
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy with its own storage: a view would carry (and pickle) the whole batch."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _output(
+    request: RolloutRequest,
+    image: torch.Tensor,
+    embeds: dict[str, torch.Tensor],
+    row: int,
+    record: _Record | None,
+    metrics: dict[str, float],
+) -> DiffusionOutput:
+    extra = {name: _own(value[row]) for name, value in embeds.items()}  # [L, D] / [L]
+    log_probs = None
+    if record is not None:
+        extra["all_latents"] = _own(torch.stack(record.latents))  # [W+1, ...] float32
+        extra["all_timesteps"] = _own(torch.stack(record.timesteps))  # [W]
+        extra["all_next_timesteps"] = _own(torch.stack(record.next_timesteps))  # [W]
+        log_probs = _own(torch.stack(record.log_probs))  # [W]
+    return DiffusionOutput(request.request_id, _own(image), log_probs, extra, dict(metrics))
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(type(value).__name__)

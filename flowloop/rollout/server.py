@@ -1,0 +1,238 @@
+"""`RolloutServer`: one request per `generate` call in, well-filled engine batches out.
+
+Four parts, as in vLLM's engine core:
+
+- intake (`generate`): validate the request (a bad one fails only its own call), queue it under
+  its ``sampling_params.batch_key()``, await its future;
+- scheduler (one asyncio task, started lazily in the running loop on the first `generate`): take
+  the group whose oldest request waited longest; run it when it holds ``max_batch_size``
+  requests or its oldest request has waited ``max_wait_ms``;
+- executor: `RolloutEngine.sample` in one worker thread, so intake never stalls; one batch at a
+  time (the model is not shared between threads);
+- output: each future gets its `DiffusionOutput`, with ``queue_time`` added to its metrics.
+
+Lifecycle: `abort(request_id)` cancels a request (its caller gets `asyncio.CancelledError`; a
+request already running finishes with its batch and its result is dropped), `pause()` waits for
+the running batch and holds new ones (weight updates), `resume()`, `stop()`. Call them from the
+server's event loop. The class works as a Ray async actor unchanged: ``ray.remote(RolloutServer)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from flowloop.rollout.engine import RolloutEngine
+from flowloop.rollout.types import DiffusionOutput, RolloutRequest
+
+__all__ = ["RolloutServer"]
+
+
+@dataclass
+class _Pending:
+    request: RolloutRequest
+    future: asyncio.Future
+    arrival: float
+    """``time.perf_counter()`` at intake."""
+
+
+class RolloutServer:
+    """Async dynamic batching in front of one `RolloutEngine`."""
+
+    def __init__(self, engine: RolloutEngine, max_batch_size: int = 16, max_wait_ms: float = 5.0):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
+        if not max_wait_ms >= 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
+        self._paused = False
+        self._stats = _Stats()
+
+    # -- intake -------------------------------------------------------------------------
+    async def generate(self, request: RolloutRequest) -> DiffusionOutput:
+        """Sample one request; raises ValueError (naming the field) for a bad one, at once."""
+        self._start()
+        if request.request_id in self._outstanding:
+            raise ValueError(f"request_id {request.request_id!r} is already outstanding on this server")
+        try:
+            self.engine.validate(request)
+        except ValueError:
+            self._stats.rejected += 1
+            raise
+        pending = _Pending(request, self._loop.create_future(), time.perf_counter())
+        self._outstanding[request.request_id] = pending
+        self._queues.setdefault(request.sampling_params.batch_key(), deque()).append(pending)
+        self._wakeup.set()
+        try:
+            return await pending.future
+        finally:
+            self._outstanding.pop(request.request_id, None)
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests accepted and not yet answered (queued or running)."""
+        return len(self._outstanding) if self._loop is not None else 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request: its `generate` raises CancelledError. False if it is not outstanding."""
+        pending = self._outstanding.get(request_id) if self._loop is not None else None
+        if pending is None or pending.future.done():
+            return False
+        pending.future.cancel()
+        self._stats.aborted += 1
+        self._wakeup.set()
+        return True
+
+    async def pause(self) -> None:
+        """Hold new batches; returns once the running batch (if any) has finished."""
+        self._paused = True
+        if self._loop is not None and self._batch_task is not None and not self._batch_task.done():
+            await asyncio.wait([self._batch_task])
+
+    def resume(self) -> None:
+        """Let the scheduler start batches again."""
+        self._paused = False
+        if self._loop is not None:
+            self._wakeup.set()
+
+    async def stop(self) -> None:
+        """Finish the running batch, cancel queued requests, end the scheduler and its thread."""
+        self._stopped = True
+        if self._loop is None:
+            return
+        self._scheduler.cancel()
+        await asyncio.gather(self._scheduler, return_exceptions=True)
+        if self._batch_task is not None:
+            await asyncio.wait([self._batch_task])
+        for pending in list(self._outstanding.values()):
+            pending.future.cancel()
+        self._executor.shutdown(wait=False)
+
+    def metrics(self) -> dict[str, float]:
+        """Since the server started: request counts (outstanding, queued, running, completed, failed,
+        aborted, rejected at intake), batches and their mean / largest size, queue time (intake to
+        batch start), and ``samples_per_s`` = samples run / seconds the engine was busy."""
+        s = self._stats
+        queued = sum(len(q) for q in self._queues.values()) if self._loop is not None else 0
+        return {
+            "num_outstanding": float(self.num_outstanding),
+            "num_queued": float(queued),
+            "num_running": float(s.running),
+            "num_completed": float(s.completed),
+            "num_failed": float(s.failed),
+            "num_aborted": float(s.aborted),
+            "num_rejected": float(s.rejected),
+            "num_batches": float(s.batches),
+            "mean_batch_size": s.samples / s.batches if s.batches else 0.0,
+            "max_batch_size_seen": float(s.max_batch),
+            "mean_queue_time_s": s.queue_time / s.samples if s.samples else 0.0,
+            "max_queue_time_s": s.max_queue_time,
+            "engine_time_s": s.engine_time,
+            "samples_per_s": s.samples / s.engine_time if s.engine_time else 0.0,
+            "paused": float(self._paused),
+        }
+
+    # -- scheduler and executor ---------------------------------------------------------
+    def _start(self) -> None:
+        """Bind to the running loop on first use (a closed previous loop is left behind)."""
+        if self._stopped:
+            raise RuntimeError("RolloutServer is stopped")
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("RolloutServer is already serving another running event loop")
+        self._loop = loop
+        self._queues: dict[tuple, deque[_Pending]] = {}
+        self._outstanding: dict[str, _Pending] = {}
+        self._wakeup = asyncio.Event()
+        self._batch_task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
+        self._scheduler = loop.create_task(self._schedule(), name="rollout-scheduler")
+
+    async def _schedule(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            self._batch_task = self._loop.create_task(self._run_batch(batch))
+            await asyncio.shield(self._batch_task)  # stop() cancels the scheduler, not the batch
+
+    async def _next_batch(self) -> list[_Pending]:
+        """Wait for a full batch, or for the oldest request's ``max_wait_ms`` to run out."""
+        while True:
+            self._drop_cancelled()
+            timeout = None
+            if self._queues and not self._paused:
+                key, queue = min(self._queues.items(), key=lambda item: item[1][0].arrival)
+                waited = time.perf_counter() - queue[0].arrival
+                if len(queue) >= self.max_batch_size or waited >= self.max_wait_s:
+                    batch = [queue.popleft() for _ in range(min(self.max_batch_size, len(queue)))]
+                    if not queue:
+                        del self._queues[key]
+                    return batch
+                timeout = self.max_wait_s - waited
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    def _drop_cancelled(self) -> None:
+        for key in list(self._queues):
+            queue = deque(p for p in self._queues[key] if not p.future.done())
+            if queue:
+                self._queues[key] = queue
+            else:
+                del self._queues[key]
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        start = time.perf_counter()
+        s = self._stats
+        s.running = len(batch)
+        try:
+            outputs = await self._loop.run_in_executor(self._executor, self.engine.sample, [p.request for p in batch])
+        except Exception as err:  # a failed batch fails its own callers, never the server
+            s.failed += len(batch)
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(err)
+            return
+        finally:
+            s.running = 0
+        s.record_batch(batch, start, time.perf_counter())
+        for pending, output in zip(batch, outputs):
+            output.metrics["queue_time"] = start - pending.arrival
+            if not pending.future.done():  # aborted while running: the result is dropped
+                pending.future.set_result(output)
+
+
+@dataclass
+class _Stats:
+    completed: int = 0
+    failed: int = 0
+    aborted: int = 0
+    rejected: int = 0
+    running: int = 0
+    batches: int = 0
+    samples: int = 0
+    max_batch: int = 0
+    queue_time: float = 0.0
+    max_queue_time: float = 0.0
+    engine_time: float = 0.0
+
+    def record_batch(self, batch: list[_Pending], start: float, end: float) -> None:
+        self.batches += 1
+        self.samples += len(batch)
+        self.completed += sum(not p.future.done() for p in batch)
+        self.max_batch = max(self.max_batch, len(batch))
+        self.engine_time += end - start
+        for pending in batch:
+            self.queue_time += start - pending.arrival
+            self.max_queue_time = max(self.max_queue_time, start - pending.arrival)

@@ -1,0 +1,150 @@
+"""The FlowGRPO actor: replay stored trajectories, clipped policy-gradient loss, optional KL.
+
+For each micro-batch and each trained step of the SDE window, the actor recomputes the velocity
+at the stored latent with the current weights, re-runs the same sampler step with
+``prev_sample`` = the stored next latent, and gets that step's log-prob and mean. The velocity
+comes from `flowloop.rollout.engine.guided_velocity`, the function the rollout sampled with,
+so with unchanged weights the replay reproduces the rollout's log-prob (the rollout-correction
+metric measures how closely).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import nullcontext
+
+import torch
+
+from flowloop.config.train import ActorConfig
+from flowloop.protocol import Batch
+from flowloop.rollout.engine import guided_velocity
+from flowloop.rollout.types import SamplingParams
+from flowloop.sampling import get_step
+from flowloop.trainer.losses import flow_grpo_loss, kl_loss
+
+EMBED_KEYS = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
+
+
+class Actor:
+    """Owns the trainable denoiser's optimizer and the frozen reference; `update` is one RL update."""
+
+    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, seed: int = 0):
+        self.model = model
+        self.config = config
+        self.sampling = sampling
+        self.step_fn = get_step(sampling.sampler)
+        self.step_kwargs = {"logprob_mode": sampling.logprob_mode} if sampling.sampler == "cps" else {}
+        self.module = model.trainable_module()
+        self.reference = None
+        if config.finetune == "lora":
+            from flowloop.trainer.lora import add_lora
+
+            add_lora(self.module, config)
+        elif config.kl_coef > 0:
+            self.reference = copy.copy(model)
+            self.reference.transformer = copy.deepcopy(self.module).requires_grad_(False).eval()
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        torch.manual_seed(seed)
+        self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
+        warmup = max(config.warmup_steps, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint must hold (all of them, or the LoRA adapters)."""
+        return {k: v for k, v in self.module.state_dict().items() if self.config.finetune == "full" or "lora_" in k}
+
+    # -- replay -------------------------------------------------------------------------
+    def replay(self, rows: dict[str, torch.Tensor], j: int, reference: bool = False):
+        """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
+        x = rows["all_latents"][:, j]  # [b, C, H, W]
+        t, t_next = rows["all_timesteps"][:, j], rows["all_next_timesteps"][:, j]  # [b]
+        embeds = {k: rows[k] for k in EMBED_KEYS if k in rows}
+        if reference and self.reference is not None:
+            model, context = self.reference, nullcontext()
+        elif reference:  # LoRA: the base model is the adapters switched off
+            model, context = self.model, self.module.disable_adapter()
+        else:
+            model, context = self.model, nullcontext()
+        with context:
+            v = guided_velocity(model, x, t, guidance_scale=self.sampling.guidance_scale, **embeds)
+        return self.step_fn(v, t, t_next, x, noise_level=self.sampling.noise_level,
+                            prev_sample=rows["all_latents"][:, j + 1], **self.step_kwargs)
+
+    # -- update -------------------------------------------------------------------------
+    def update(self, batch: Batch, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """One RL update on ``batch`` (rows with ``all_latents`` etc.), ``advantages`` ``[B]``."""
+        cfg = self.config
+        device = next(self.module.parameters()).device
+        num_steps = batch["rollout_log_probs"].shape[1]
+        trained = max(1, math.ceil(cfg.timestep_fraction * num_steps))
+        micro_per_mini = cfg.mini_batch_size // cfg.micro_batch_size
+        keys = ["all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs", *[k for k in EMBED_KEYS if k in batch]]
+        tensors = {k: batch[k].to(device) for k in keys}
+        advantages = advantages.to(device)
+        if not cfg.skip_old_logprob:
+            tensors["old_log_probs"] = self._old_log_probs(tensors, trained)
+        old_key = "rollout_log_probs" if cfg.skip_old_logprob else "old_log_probs"
+        self.module.eval()  # no dropout: replay must see the function the rollout sampled
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        correction: list[torch.Tensor] = []
+        grad_norms = []
+        first = True
+        for _epoch in range(cfg.inner_epochs):
+            order = torch.randperm(len(batch), generator=generator).to(device)
+            micro_batches = order.split(cfg.micro_batch_size)
+            for m, rows_idx in enumerate(micro_batches):
+                rows = {k: v[rows_idx] for k, v in tensors.items()}
+                adv = advantages[rows_idx]
+                for j in range(trained):
+                    out = self.replay(rows, j)
+                    if first:  # weights still those of the rollout
+                        correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
+                    loss, diag = flow_grpo_loss(out.log_prob, rows[old_key][:, j], adv, cfg.clip_range, cfg.adv_clip_max)
+                    if cfg.kl_coef > 0:
+                        with torch.no_grad():
+                            ref = self.replay(rows, j, reference=True)
+                        dt = rows["all_next_timesteps"][:, j] - rows["all_timesteps"][:, j]
+                        kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None,
+                                     mode=cfg.kl_mode).mean()
+                        loss = loss + cfg.kl_coef * kl
+                        diag = {**diag, "kl_loss": kl.detach()}
+                    (loss / (trained * micro_per_mini)).backward()
+                    _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
+                first = False
+                if (m + 1) % micro_per_mini == 0 or m == len(micro_batches) - 1:
+                    grad_norms.append(self._optimizer_step())
+        metrics = {f"actor/{k}": sums[k] / counts[k] for k in sums}
+        metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean())
+        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/optimizer_steps"] = len(grad_norms)
+        all_correction = torch.cat(correction)
+        metrics["rollout_correction/mean"] = float(all_correction.mean())
+        metrics["rollout_correction/max"] = float(all_correction.max())
+        return metrics
+
+    def _optimizer_step(self) -> torch.Tensor:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.detach().cpu()
+
+    @torch.no_grad()
+    def _old_log_probs(self, tensors: dict[str, torch.Tensor], trained: int) -> torch.Tensor:
+        """A separate replay pass with the pre-update weights (when not skipped)."""
+        out = torch.zeros_like(tensors["rollout_log_probs"])
+        for rows_idx in torch.arange(len(out), device=out.device).split(self.config.micro_batch_size):
+            rows = {k: v[rows_idx] for k, v in tensors.items()}
+            for j in range(trained):
+                out[rows_idx, j] = self.replay(rows, j).log_prob
+        return out
+
+
+def _accumulate(sums: dict, counts: dict, values: dict) -> None:
+    for key, value in values.items():
+        sums[key] = sums.get(key, 0.0) + float(value)
+        counts[key] = counts.get(key, 0) + 1

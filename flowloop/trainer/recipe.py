@@ -1,0 +1,236 @@
+"""The FlowGRPO recipe, top to bottom: `setup`, `train`, `cleanup`.
+
+One RL step: sample train prompts, repeat each ``rollout.n`` times under one ``uid``, generate
+and score them through the `AgentLoopManager` (streaming rewards), compute group-relative
+advantages, and update the actor on the stored trajectories. The rollout engine samples with the
+actor's own weights (colocated: nothing to copy, nothing stale). Validation runs before
+training, every ``trainer.val_every`` steps and at the end; checkpoints every
+``trainer.save_every`` steps, at the end, and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from flowloop.agent_loop import AgentLoopManager
+from flowloop.config import to_yaml
+from flowloop.config.train import TrainConfig
+from flowloop.models import load_flow_model
+from flowloop.protocol import Batch
+from flowloop.rollout.types import SamplingParams
+from flowloop.tasks import shapes
+from flowloop.trainer.actor import Actor
+from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
+from flowloop.trainer.checkpoint import (
+    capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
+)
+from flowloop.trainer.evaluate import summarize, to_uint8_images
+from flowloop.trainer.losses import NonFiniteGuard
+from flowloop.trainer.metrics_log import MetricsLogger, ProgressLine
+from flowloop.visual import save_grid
+
+logger = logging.getLogger(__name__)
+
+GRID_PROMPTS_PER_CATEGORY = 2
+GRID_SAMPLES = 4
+
+
+class FlowGRPORecipe:
+    """``recipe = FlowGRPORecipe(cfg); recipe.setup(); summary = recipe.train(); recipe.cleanup()``."""
+
+    def __init__(self, cfg: TrainConfig, log=print):
+        cfg.validate()
+        self.cfg = cfg
+        self.log = log
+        self.start_step = 0
+        self.history: list[dict] = []
+
+    # -- setup --------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        # 1. Run folder: resume into an existing one, or a new one that never overwrites another.
+        named = Path(cfg.trainer.run_root) / cfg.trainer.run_name
+        checkpoint = None
+        if cfg.trainer.resume == "never":
+            self.run_dir = new_run_dir(cfg.trainer.run_root, cfg.trainer.run_name)
+        else:
+            checkpoint = resolve_resume(named, cfg.trainer.resume)
+            if checkpoint is None:
+                self.run_dir = new_run_dir(cfg.trainer.run_root, cfg.trainer.run_name)
+            else:
+                self.run_dir = Path(checkpoint).parent.parent
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        # 2. Model, rollout (colocated: the engine holds this same model), actor.
+        self.model = load_flow_model(cfg.model.path, device=cfg.model.device)
+        self.manager = AgentLoopManager.create(cfg.rollout, self.model)
+        sampling = SamplingParams.from_dict(cfg.rollout.sampling_dict(validate=False))
+        self.actor = Actor(self.model, cfg.actor, sampling, seed=cfg.trainer.seed)
+        self.tracker = PerPromptStatTracker() if cfg.advantage.estimator == "per_prompt" else None
+        self.guard = NonFiniteGuard()
+        self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
+        # 3. Prompts: the train split to learn from, the held-out split to report on.
+        self.train_prompts = shapes.split_prompts(cfg.data.train_split)
+        self.val_prompts = shapes.split_prompts(cfg.data.val_split)
+        # 4. Resume: weights, optimizer, scheduler, RNG, trackers, history.
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        self.metrics_log = MetricsLogger(self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb,
+                                         resume_step=self.start_step if checkpoint is not None else None)
+        self.log(f"run folder: {self.run_dir}" + (f" (resumed at step {self.start_step})" if checkpoint else ""))
+
+    # -- train --------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg = self.cfg.trainer
+        progress = ProgressLine(cfg.total_steps, start_step=self.start_step)
+        if self.start_step == 0:
+            self.before = self.validate(0)
+            self.metrics_log.log(0, self.before)
+            progress.update(0, accuracy=self.before["val/accuracy"])
+        step = self.start_step
+        try:
+            for step in range(self.start_step + 1, cfg.total_steps + 1):
+                metrics = self.train_step(step)
+                if step % cfg.val_every == 0 or step == cfg.total_steps:
+                    metrics.update(self.validate(step))
+                self.metrics_log.log(step, metrics)
+                self.history.append({"step": step, **{k: v for k, v in metrics.items() if k.startswith("val/")}})
+                progress.update(step, metrics["reward/mean"], metrics.get("val/accuracy"), metrics["time/step"])
+                if step % cfg.save_every == 0 or step == cfg.total_steps:
+                    self.save(step)
+        except KeyboardInterrupt:
+            done = step - 1
+            if done > self.start_step:
+                self.save(done)
+            progress.close()
+            self.log(f"\ninterrupted: checkpoint of step {done} in {self.run_dir / 'checkpoints'}; resume with\n"
+                     f"  flowloop train trainer.resume=auto trainer.run_root={self.cfg.trainer.run_root} "
+                     f"trainer.run_name={self.run_dir.name} (plus the overrides this run used)")
+            raise
+        progress.close()
+        return self.summary()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        start = time.perf_counter()
+        # 1. Prompts of this step, each repeated rollout.n times under one uid.
+        batch = self.make_batch(step)
+        # 2. Generate and score (the reward streams while other rows still sample).
+        out = self.manager.generate_sequences(batch)
+        generated = time.perf_counter()
+        rewards = out["rm_scores"][:, 0]  # [B]
+        # 3. Advantages over each uid's group.
+        options = {}
+        if self.tracker is not None:
+            options = {"tracker": self.tracker, "prompts": list(out["raw_prompt"])}
+        result = compute_advantages(self.cfg.advantage.estimator, rewards, out["uid"],
+                                    drop_zero_std_groups=self.cfg.advantage.drop_zero_std_groups, **options)
+        keep = result.keep.nonzero().flatten()
+        # 4. Update the actor on the kept rows.
+        metrics: dict[str, float] = {}
+        if len(keep):
+            metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
+            if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
+                metrics["actor/skipped_nonfinite"] = 1.0
+        end = time.perf_counter()
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+            **{f"reward/{k}": float(np.mean([bool(v) for v in out[k]])) for k in ("correct",) if k in out},
+            **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
+            "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
+            "throughput/samples_per_s": len(out) / (end - start),
+            **{f"time/{k}": v for k, v in out.meta_info.get("timing", {}).items()},
+        })
+        return metrics
+
+    def make_batch(self, step: int) -> Batch:
+        """``prompts_per_step`` train prompts (drawn from seed and step alone, so resume is exact) x n."""
+        rng = np.random.default_rng([self.cfg.trainer.seed, step])
+        chosen = rng.choice(len(self.train_prompts), self.cfg.data.prompts_per_step, replace=False)
+        n = self.cfg.rollout.n
+        prompts = [self.train_prompts[i] for i in chosen for _ in range(n)]
+        uids = [f"{step}-{g}" for g in range(len(chosen)) for _ in range(n)]
+        return Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": uids}, meta_info={"global_steps": step})
+
+    # -- validation ---------------------------------------------------------------------
+    def validate(self, step: int) -> dict[str, float]:
+        """Held-out prompts with ``val_kwargs`` (ODE, fixed seeds); accuracy overall and per category."""
+        k = self.cfg.trainer.val_samples_per_prompt
+        prompts = [p for p in self.val_prompts for _ in range(k)]
+        batch = Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": [f"val-{i // k}" for i in range(len(prompts))]},
+                                meta_info={"validate": True})
+        start = time.perf_counter()
+        out = self.manager.generate_sequences(batch)
+        categories = [shapes.category_of(shapes.parse_prompt(p)) for p in prompts]
+        result = summarize(list(out["correct"]), out["rm_scores"][:, 0].tolist(), categories)
+        images = to_uint8_images(out["responses"])
+        rows = [i for c in shapes.CATEGORIES for i in [j for j, cat in enumerate(categories) if cat == c][: GRID_PROMPTS_PER_CATEGORY * k]]
+        picked = [i for i in rows if i % k < GRID_SAMPLES]
+        grid = save_grid(images[picked], [prompts[i] for i in picked], self.run_dir / "grids" / f"step_{step:06d}.png",
+                         per_prompt=min(k, GRID_SAMPLES))
+        metrics = {"val/accuracy": result.accuracy, "val/score": result.score, "time/validate": time.perf_counter() - start}
+        metrics.update({f"val/{name}/accuracy": row["accuracy"] for name, row in result.per_category.items()})
+        self.log(f"step {step}: held-out accuracy {result.accuracy:.1%} (score {result.score:.3f}); grid {grid}")
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        extra = {"guard": self.guard.state_dict(), "history": json.dumps(self.history), "before": json.dumps(getattr(self, "before", {}))}
+        if self.tracker is not None:
+            extra["tracker"] = self.tracker.state_dict()
+        state = capture_rng_state()
+        state["trainer_generator"] = self.generator.get_state()
+        return save_checkpoint(self.run_dir, step, self.actor.trainable_state(), self.actor.optimizer, [self.actor.scheduler],
+                               state, {"step": step}, extra, keep_last=self.cfg.trainer.keep_last)
+
+    def _restore(self, checkpoint: Path) -> None:
+        loaded = load_checkpoint(checkpoint, self.actor.optimizer, [self.actor.scheduler])
+        self.actor.module.load_state_dict(loaded.model_state, strict=self.cfg.actor.finetune == "full")
+        rng = dict(loaded.rng_state)
+        self.generator.set_state(rng.pop("trainer_generator"))
+        restore_rng_state(rng)
+        self.guard.load_state_dict(loaded.extra["guard"])
+        if self.tracker is not None:
+            self.tracker.load_state_dict(loaded.extra["tracker"])
+        self.history = json.loads(loaded.extra["history"])
+        self.before = json.loads(loaded.extra["before"])
+        self.start_step = loaded.step
+
+    # -- summary and cleanup ------------------------------------------------------------
+    def summary(self) -> dict:
+        after = next((h for h in reversed(self.history) if "val/accuracy" in h), {})
+        summary = {
+            "run_dir": str(self.run_dir),
+            "steps": self.cfg.trainer.total_steps,
+            "accuracy_before": self.before.get("val/accuracy"),
+            "accuracy_after": after.get("val/accuracy"),
+            "grid_before": str(self.run_dir / "grids" / "step_000000.png"),
+            "grid_after": str(self.run_dir / "grids" / f"step_{after.get('step', 0):06d}.png"),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def cleanup(self) -> None:
+        if hasattr(self, "manager"):
+            self.manager.shutdown()
+        if hasattr(self, "metrics_log"):
+            self.metrics_log.close()
+
+
+def run(cfg: TrainConfig, log=print) -> dict:
+    """Set up, train and clean up; returns the summary."""
+    recipe = FlowGRPORecipe(cfg, log)
+    try:
+        recipe.setup()
+        return recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+__all__ = ["FlowGRPORecipe", "run"]

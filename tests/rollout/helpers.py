@@ -1,0 +1,28 @@
+"""Request builders shared by the rollout tests (tiny random model from tests/conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from flowloop.rollout import RolloutRequest, SamplingParams
+from flowloop.tasks import shapes
+
+PROMPTS = [p for c in shapes.CATEGORIES for p in shapes.split_prompts("train", c)[:3]]
+
+
+def prompt_ids(model, prompt: str) -> torch.Tensor:
+    """Chat-templated, unpadded ids ``[L]``, as the agent loop sends them."""
+    ids, mask = model.tokenize([prompt])
+    return ids[0][mask[0].bool()]
+
+
+def request(model, request_id: str, prompt: str = "a red circle", negative: str | None = None, **params) -> RolloutRequest:
+    params = {"height": 16, "width": 16, "num_inference_steps": 6, **params}
+    negative_ids = None if negative is None else prompt_ids(model, negative)
+    return RolloutRequest(request_id, prompt_ids(model, prompt), SamplingParams(**params), negative_ids)
+
+
+def mixed_requests(model, n: int = 16, **params) -> list[RolloutRequest]:
+    """``n`` requests with different prompts and seeds (hence different SDE windows)."""
+    params = {"sde_window_size": 2, "sde_window_range": (0, 5), **params}
+    return [request(model, f"r{k}", PROMPTS[(5 * k) % len(PROMPTS)], seed=1000 + 7 * k, **params) for k in range(n)]

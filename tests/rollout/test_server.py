@@ -1,0 +1,170 @@
+import asyncio
+
+import pytest
+import torch
+
+from flowloop.rollout import RolloutEngine, RolloutServer
+from tests.conftest import make_tiny_model
+from tests.rollout.helpers import mixed_requests, request
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return RolloutEngine(model)
+
+
+async def _until(condition, timeout=10.0):
+    """Poll the event loop until ``condition()`` holds (the engine runs in a worker thread)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
+        await asyncio.sleep(0.002)
+
+
+def test_concurrent_requests_are_batched_without_changing_results(engine, model):
+    requests = mixed_requests(model, 12)
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=4, max_wait_ms=50)
+        outputs = await asyncio.gather(*(server.generate(r) for r in requests))
+        metrics = server.metrics()
+        await server.stop()
+        return outputs, metrics
+
+    outputs, metrics = asyncio.run(main())
+    assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    assert metrics["num_completed"] == 12 and metrics["num_outstanding"] == 0
+    assert metrics["mean_batch_size"] > 1 and metrics["max_batch_size_seen"] <= 4
+    assert metrics["samples_per_s"] > 0 and metrics["mean_queue_time_s"] >= 0
+    for req, out in zip(requests, outputs):
+        alone = engine.sample([req])[0]
+        assert (alone.log_probs - out.log_probs).abs().max() <= 1e-6
+        assert (alone.diffusion_output - out.diffusion_output).abs().max() <= 1e-5
+        assert out.metrics["queue_time"] >= 0 and 1 <= out.metrics["batch_size"] <= 4
+
+
+def test_incompatible_requests_run_in_separate_batches(engine, model):
+    requests = mixed_requests(model, 4) + mixed_requests(model, 4, num_inference_steps=4, sde_window_range=(0, 3))
+    for k, r in enumerate(requests):
+        r.request_id = f"m{k}"
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=16, max_wait_ms=50)
+        outputs = await asyncio.gather(*(server.generate(r) for r in requests))
+        return outputs, server.metrics()
+
+    outputs, metrics = asyncio.run(main())
+    assert [o.log_probs.shape[0] for o in outputs] == [2] * 8
+    assert metrics["num_batches"] == 2 and metrics["mean_batch_size"] == 4
+
+
+def test_a_bad_request_fails_only_its_own_call(engine, model):
+    good = mixed_requests(model, 6)
+    bad = request(model, "bad", height=18, width=18)
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=8, max_wait_ms=20)
+        results = await asyncio.gather(*(server.generate(r) for r in [*good[:3], bad, *good[3:]]), return_exceptions=True)
+        after = await server.generate(request(model, "after", seed=1))  # the server goes on
+        return results, after, server.metrics()
+
+    results, after, metrics = asyncio.run(main())
+    assert isinstance(results[3], ValueError) and "height" in str(results[3])
+    assert [r.request_id for r in results[:3] + results[4:]] == [r.request_id for r in good]
+    assert after.request_id == "after"
+    assert metrics["num_rejected"] == 1 and metrics["num_failed"] == 0 and metrics["num_completed"] == 7
+
+
+def test_abort_cancels_only_that_queued_request(engine, model):
+    requests = mixed_requests(model, 3)
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=8, max_wait_ms=1)
+        await server.pause()  # hold batches so all three stay queued
+        tasks = [asyncio.create_task(server.generate(r)) for r in requests]
+        await _until(lambda: server.num_outstanding == 3)
+        assert server.abort("r1") and not server.abort("r1") and not server.abort("nope")
+        server.resume()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, server.metrics()
+
+    results, metrics = asyncio.run(main())
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert [results[0].request_id, results[2].request_id] == ["r0", "r2"]
+    assert metrics["num_aborted"] == 1 and metrics["num_completed"] == 2 and metrics["mean_batch_size"] == 2
+
+
+def test_pause_holds_new_batches_until_resume(engine, model):
+    requests = mixed_requests(model, 4)
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=4, max_wait_ms=1)
+        await server.generate(request(model, "warm", seed=0))
+        await server.pause()
+        tasks = [asyncio.create_task(server.generate(r)) for r in requests]
+        await asyncio.sleep(0.2)
+        held = (server.metrics()["num_batches"], sum(t.done() for t in tasks), server.metrics()["num_queued"])
+        server.resume()
+        await asyncio.gather(*tasks)
+        return held, server.metrics()
+
+    (batches, done, queued), metrics = asyncio.run(main())
+    assert (batches, done, queued) == (1, 0, 4)
+    assert metrics["num_batches"] == 2 and metrics["num_completed"] == 5
+
+
+def test_pause_waits_for_the_running_batch(engine, model):
+    requests = mixed_requests(model, 8, num_inference_steps=30, sde_window_range=(0, 29))
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=8, max_wait_ms=1)
+        tasks = [asyncio.create_task(server.generate(r)) for r in requests]
+        await _until(lambda: server.metrics()["num_running"] > 0)
+        await server.pause()
+        state = (server.metrics()["num_running"], server.metrics()["num_batches"])
+        await asyncio.gather(*tasks)
+        return state
+
+    running, batches = asyncio.run(main())
+    assert (running, batches) == (0, 1)  # pause returned after the batch, not during it
+
+
+def test_stop_cancels_queued_requests_and_refuses_new_ones(engine, model):
+    async def main():
+        server = RolloutServer(engine, max_batch_size=4, max_wait_ms=1)
+        await server.pause()
+        task = asyncio.create_task(server.generate(request(model, "q", seed=0)))
+        await _until(lambda: server.num_outstanding == 1)
+        await server.stop()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(RuntimeError, match="stopped"):
+            await server.generate(request(model, "late", seed=0))
+
+    asyncio.run(main())
+
+
+def test_duplicate_request_id_is_rejected(engine, model):
+    async def main():
+        server = RolloutServer(engine, max_batch_size=4, max_wait_ms=1)
+        await server.pause()
+        first = asyncio.create_task(server.generate(request(model, "same", seed=0)))
+        await _until(lambda: server.num_outstanding == 1)
+        with pytest.raises(ValueError, match="request_id"):
+            await server.generate(request(model, "same", seed=1))
+        server.resume()
+        return await first
+
+    assert asyncio.run(main()).request_id == "same"
+
+
+def test_server_arguments_are_checked(engine):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        RolloutServer(engine, max_batch_size=0)
+    with pytest.raises(ValueError, match="max_wait_ms"):
+        RolloutServer(engine, max_wait_ms=-1)
