@@ -1,6 +1,7 @@
 """Rollout server throughput: dynamic batching vs the same requests one at a time.
 
     .venv/bin/python benchmarks/rollout_server.py [--requests 64] [--max-batch-size 16] [--max-wait-ms 5] [--repeats 3]
+                                                  [--device cuda]
 
 On the shipped tiny model (`load_flow_model()`, 32x32), 10 steps, sampler sde (Flow-GRPO's,
 default window: every step but the last, log-probs on), ``--requests`` single-sample requests
@@ -63,14 +64,15 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="where the model runs (outputs always come back to the CPU)")
     args = parser.parse_args()
 
-    model = load_flow_model()
+    model = load_flow_model(device=args.device)
     engine = RolloutEngine(model)
     engine.sample(make_requests(model, 16, "warmup"))  # first-call costs out of the way
     engine.sample(make_requests(model, 1, "warmup"))
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"torch.get_num_threads()={torch.get_num_threads()}")
+    hardware = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
+    print(f"{hardware}, torch {torch.__version__}, torch.get_num_threads()={torch.get_num_threads()}")
     print(f"shipped tiny model, 32x32, 10 steps, sde, {args.requests} requests, "
           f"max_batch_size={args.max_batch_size}, max_wait_ms={args.max_wait_ms}")
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_SEED = 0
+DEFAULT_RECIPE = Path(__file__).resolve().parent / "config" / "recipes" / "shapes.yaml"
 
 
 def _progress(total: int, desc: str):
@@ -35,8 +36,9 @@ def cmd_train(args) -> None:
     from flowloop.config.train import TrainConfig
     from flowloop.trainer.recipe import run
 
-    cfg = load_config(TrainConfig, args.overrides, [args.config] if args.config else [])
     from tqdm import tqdm
+
+    cfg = load_config(TrainConfig, args.overrides, [args.config or DEFAULT_RECIPE])
 
     summary = run(cfg, log=tqdm.write)  # keeps the live progress line intact
     before, after = summary["accuracy_before"], summary["accuracy_after"]
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="FlowGRPO on the embedded shapes model (key=value overrides, e.g. rollout.n=8)")
     p.add_argument("overrides", nargs="*", help="e.g. rollout.n=8 actor.lr=2e-5 trainer.total_steps=100")
-    p.add_argument("--config", default=None, help="a YAML recipe merged before the overrides")
+    p.add_argument("--config", default=None, help="YAML recipe merged before the overrides (default: flowloop/config/recipes/shapes.yaml)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("plot", help="PNG learning curve (reward, held-out accuracy) from a run's metrics.jsonl")

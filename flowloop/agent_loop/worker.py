@@ -87,8 +87,8 @@ class AgentLoopWorker:
         ``__num_turns__`` and one column per reward extra key (``reward_error`` among them);
         ``meta_info["metrics"]`` (one dict per row) and ``meta_info["reward_extra_keys"]``.
         """
-        if len(batch) == 0:
-            raise ValueError("generate_sequences got an empty batch")
+        if len(batch) == 0 or "raw_prompt" not in batch:
+            raise ValueError(f"generate_sequences needs rows with a 'raw_prompt' non-tensor column, got {batch!r}")
         # 1. Sampling settings and one seed per row.
         validate = bool(batch.meta_info.get("validate", False))
         step = batch.meta_info.get("global_steps")

@@ -31,7 +31,7 @@ from flowloop.trainer.checkpoint import (
     capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
 )
 from flowloop.trainer.evaluate import summarize, to_uint8_images
-from flowloop.trainer.losses import NonFiniteGuard
+from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
 from flowloop.trainer.metrics_log import MetricsLogger, ProgressLine
 from flowloop.visual import save_grid
 
@@ -105,6 +105,13 @@ class FlowGRPORecipe:
                 progress.update(step, metrics["reward/mean"], metrics.get("val/accuracy"), metrics["time/step"])
                 if step % cfg.save_every == 0 or step == cfg.total_steps:
                     self.save(step)
+        except NonFiniteLossError:
+            if step - 1 > self.start_step:
+                self.save(step - 1)
+            progress.close()
+            self.log(f"stopped: non-finite loss {self.guard.max_consecutive} steps in a row; last good checkpoint "
+                     f"in {self.run_dir / 'checkpoints'}. Lower actor.lr and resume with trainer.resume=auto.")
+            raise
         except KeyboardInterrupt:
             done = step - 1
             if done > self.start_step:
@@ -167,9 +174,11 @@ class FlowGRPORecipe:
                                 meta_info={"validate": True})
         start = time.perf_counter()
         out = self.manager.generate_sequences(batch)
-        categories = [shapes.category_of(shapes.parse_prompt(p)) for p in prompts]
-        result = summarize(list(out["correct"]), out["rm_scores"][:, 0].tolist(), categories)
+        # The task's own verifier measures accuracy, whatever reward the run trains on.
         images = to_uint8_images(out["responses"])
+        verdicts = shapes.verify_batch(images, prompts)
+        categories = [shapes.category_of(shapes.parse_prompt(p)) for p in prompts]
+        result = summarize([v.correct for v in verdicts], [v.score for v in verdicts], categories)
         rows = [i for c in shapes.CATEGORIES for i in [j for j, cat in enumerate(categories) if cat == c][: GRID_PROMPTS_PER_CATEGORY * k]]
         picked = [i for i in rows if i % k < GRID_SAMPLES]
         grid = save_grid(images[picked], [prompts[i] for i in picked], self.run_dir / "grids" / f"step_{step:06d}.png",

@@ -168,3 +168,21 @@ def test_server_arguments_are_checked(engine):
         RolloutServer(engine, max_batch_size=0)
     with pytest.raises(ValueError, match="max_wait_ms"):
         RolloutServer(engine, max_wait_ms=-1)
+
+
+def test_a_caller_that_gives_up_removes_its_queued_request(engine, model):
+    async def main():
+        server = RolloutServer(engine, max_batch_size=4, max_wait_ms=1)
+        await server.pause()
+        task = asyncio.create_task(server.generate(request(model, "gone", seed=0)))
+        kept = asyncio.create_task(server.generate(request(model, "kept", seed=1)))
+        await _until(lambda: server.num_outstanding == 2)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.resume()
+        out = await kept
+        return out, server.metrics()
+
+    out, metrics = asyncio.run(main())
+    assert out.request_id == "kept"
+    assert metrics["num_batches"] == 1 and metrics["mean_batch_size"] == 1 and metrics["num_outstanding"] == 0
