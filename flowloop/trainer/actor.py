@@ -21,6 +21,7 @@ from flowloop.protocol import Batch
 from flowloop.rollout.engine import guided_velocity
 from flowloop.rollout.types import SamplingParams
 from flowloop.sampling import get_step
+from flowloop.trainer.lora import adapters_disabled, add_lora
 from flowloop.trainer.losses import flow_grpo_loss, kl_loss
 
 EMBED_KEYS = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
@@ -38,8 +39,6 @@ class Actor:
         self.module = model.trainable_module()
         self.reference = None
         if config.finetune == "lora":
-            from flowloop.trainer.lora import add_lora
-
             add_lora(self.module, config)
         elif config.kl_coef > 0:
             self.reference = copy.copy(model)
@@ -63,7 +62,7 @@ class Actor:
         if reference and self.reference is not None:
             model, context = self.reference, nullcontext()
         elif reference:  # LoRA: the base model is the adapters switched off
-            model, context = self.model, self.module.disable_adapter()
+            model, context = self.model, adapters_disabled(self.module)
         else:
             model, context = self.model, nullcontext()
         with context:

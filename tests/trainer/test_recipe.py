@@ -93,3 +93,23 @@ def test_shipped_recipes_load():
     for path in DEFAULT_RECIPE.parent.glob("*.yaml"):
         cfg = load_config(TrainConfig, [], [path])
         assert cfg.rollout.n >= 2
+
+
+def test_lora_trains_adapters_only(tiny_model_dir, tmp_path):
+    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2", "actor.finetune=lora", "actor.lora_rank=4"),
+        log=lambda _: None)
+    saved = load_file(tmp_path / "shapes" / "checkpoints" / "step_000002" / "model.safetensors")
+    assert saved and all("lora_" in key for key in saved)
+    # lora_B starts at zero (the adapted model starts as the base); training must move it.
+    assert any(saved[k].abs().max() > 0 for k in saved if "lora_B" in k)
+    rows = [r for r in metrics(tmp_path / "shapes") if "rollout_correction/max" in r]
+    assert rows[0]["rollout_correction/max"] <= 1e-6
+    assert rows[-1]["actor/kl_loss"] > 0  # the reference (adapters off) differs from the trained model
+
+
+def test_lora_target_matching_nothing_is_an_error(tiny_model_dir, tmp_path):
+    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "actor.finetune=lora", "actor.lora_target_modules=[to_q]"),
+                            log=lambda _: None)
+    with pytest.raises(ValueError, match=r"match no linear layer of TinyDiT; its linear layers end in \[.*'qkv'"):
+        recipe.setup()
+    recipe.cleanup()

@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from flowloop.models.tiny.layers import Block, grid_position_embedding, sinusoidal_embedding
 
 
-class TinyDiT(ModelMixin, ConfigMixin):
+class TinyDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """``(x_t [B,C,H,W], t [B], text [B,L,Dt], text_mask [B,L]) -> velocity [B,C,H,W]``."""
 
     _supports_gradient_checkpointing = True
