@@ -1,4 +1,4 @@
-# One command sets up and runs: `make demo` (main job) and `make test` (the suite).
+# One command sets up and runs: `make train` (main job) and `make test` (the suite).
 # The virtualenv lives in .venv; torch is pinned to the CPU build this machine kind ships.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup train demo test test-slow clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+train: setup
+	$(BIN)/flowloop train
 
 demo: setup
 	$(BIN)/flowloop eval --split heldout --json runs/demo/eval.json --grid runs/demo/heldout_grid.png
