@@ -53,13 +53,19 @@ def cmd_plot(args) -> None:
     print(f"wrote {plot_run(args.run_dir, args.out)}")
 
 
+def _load_model(args):
+    from flowloop.models import load_flow_model, load_trained_weights
+
+    model = load_flow_model(args.model)
+    return load_trained_weights(model, args.checkpoint) if args.checkpoint else model
+
+
 def cmd_generate(args) -> None:
     from PIL import Image
 
-    from flowloop.models import load_flow_model
     from flowloop.trainer.evaluate import ode_sample
 
-    model = load_flow_model(args.model)
+    model = _load_model(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = [args.seed + k for k in range(args.num)]
@@ -77,11 +83,10 @@ def cmd_generate(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from flowloop.models import load_flow_model
     from flowloop.trainer.evaluate import eval_plan, evaluate
     from flowloop.visual import print_eval_table, save_grid
 
-    model = load_flow_model(args.model)
+    model = _load_model(args)
     total = len(eval_plan(args.split, args.samples_per_prompt)[0])
     bar, update = _progress(total, f"eval {args.split}")
     result, images, prompts = evaluate(
@@ -117,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     model_help = "model folder in diffusers layout (default: the embedded shapes model)"
+    checkpoint_help = "a flowloop train checkpoint (runs/<name>/checkpoints/step_N) whose weights replace the model's"
     p = sub.add_parser("generate", help="sample images for one prompt into PNG files")
     p.add_argument("prompt")
     p.add_argument("--out", required=True, help="folder for the PNG files")
@@ -127,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=None, help="square image size (default: the model's own)")
     p.add_argument("--upscale", type=int, default=4, help="nearest-neighbour upscale of the saved PNGs")
     p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="GenEval-style accuracy on the shapes world at fixed seeds")
@@ -138,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_eval)
     return parser
 

@@ -137,7 +137,7 @@ class RolloutConfig:
     None = the model's ``max_sequence_length``."""
     n: int = 8
     """Samples per prompt in training: one GRPO group. Validation draws its own count
-    (``trainer.val_samples_per_prompt``)."""
+    (``trainer.val_samples_per_category``)."""
     calculate_log_probs: bool = True
     """Record per-step log-probs in training (FlowGRPO's ``logp_old``). Validation never does."""
     seed: int = 0

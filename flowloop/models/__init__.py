@@ -24,4 +24,30 @@ def load_flow_model(path: str | Path | None = None, dtype: torch.dtype = torch.f
     raise ValueError(f"{path}/model_index.json names pipeline {pipeline!r}; supported: ['FlowloopTinyPipeline']")
 
 
-__all__ = ["EMBEDDED_MODEL", "FlowModel", "load_flow_model"]
+def load_trained_weights(model: FlowModel, checkpoint: str | Path) -> FlowModel:
+    """Put a `flowloop train` checkpoint's denoiser weights (full or LoRA) into ``model``.
+
+    ``checkpoint`` is a ``runs/<name>/checkpoints/step_N`` folder; LoRA checkpoints hold only the
+    adapters, which are added first with the run's own settings (its ``config.yaml``).
+    """
+    from safetensors.torch import load_file
+
+    weights_file = Path(checkpoint) / "model.safetensors"
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"{weights_file} is missing: pass a checkpoint folder runs/<name>/checkpoints/step_N")
+    weights = load_file(str(weights_file))
+    module = model.trainable_module()
+    if any("lora_" in key for key in weights):
+        from omegaconf import OmegaConf
+
+        from flowloop.trainer.lora import add_lora
+
+        config = OmegaConf.load(Path(checkpoint).parent.parent / "config.yaml")
+        add_lora(module, config.actor)
+    missing, unexpected = module.load_state_dict(weights, strict=False)
+    if unexpected or (missing and not any("lora_" in key for key in weights)):
+        raise ValueError(f"{weights_file} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
+
+
+__all__ = ["EMBEDDED_MODEL", "FlowModel", "load_flow_model", "load_trained_weights"]

@@ -37,8 +37,8 @@ from flowloop.visual import save_grid
 
 logger = logging.getLogger(__name__)
 
-GRID_PROMPTS_PER_CATEGORY = 2
-GRID_SAMPLES = 4
+GRID_ROWS_PER_CATEGORY = 8
+GRID_COLUMNS = 4
 
 
 class FlowGRPORecipe:
@@ -159,30 +159,38 @@ class FlowGRPORecipe:
     def make_batch(self, step: int) -> Batch:
         """``prompts_per_step`` train prompts (drawn from seed and step alone, so resume is exact) x n."""
         rng = np.random.default_rng([self.cfg.trainer.seed, step])
-        chosen = rng.choice(len(self.train_prompts), self.cfg.data.prompts_per_step, replace=False)
+        count = self.cfg.data.prompts_per_step
+        if self.cfg.data.prompt_sampling == "category_balanced":
+            by_category = [shapes.split_prompts(self.cfg.data.train_split, c) for c in shapes.CATEGORIES]
+            chosen = [pool[rng.integers(len(pool))] for pool in (by_category[rng.integers(len(by_category))] for _ in range(count))]
+        else:
+            chosen = [self.train_prompts[i] for i in rng.choice(len(self.train_prompts), count, replace=False)]
         n = self.cfg.rollout.n
-        prompts = [self.train_prompts[i] for i in chosen for _ in range(n)]
+        prompts = [p for p in chosen for _ in range(n)]
         uids = [f"{step}-{g}" for g in range(len(chosen)) for _ in range(n)]
         return Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": uids}, meta_info={"global_steps": step})
 
     # -- validation ---------------------------------------------------------------------
     def validate(self, step: int) -> dict[str, float]:
         """Held-out prompts with ``val_kwargs`` (ODE, fixed seeds); accuracy overall and per category."""
-        k = self.cfg.trainer.val_samples_per_prompt
-        prompts = [p for p in self.val_prompts for _ in range(k)]
-        batch = Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": [f"val-{i // k}" for i in range(len(prompts))]},
+        k = self.cfg.trainer.val_samples_per_category
+        prompts, categories = [], []
+        for category in shapes.CATEGORIES:
+            pool = shapes.split_prompts(self.cfg.data.val_split, category)
+            prompts += [pool[(i // GRID_COLUMNS) % len(pool)] for i in range(k)]  # blocks of GRID_COLUMNS seeds
+            categories += [category] * k
+        batch = Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": [f"val-{p}" for p in prompts]},
                                 meta_info={"validate": True})
         start = time.perf_counter()
         out = self.manager.generate_sequences(batch)
         # The task's own verifier measures accuracy, whatever reward the run trains on.
         images = to_uint8_images(out["responses"])
         verdicts = shapes.verify_batch(images, prompts)
-        categories = [shapes.category_of(shapes.parse_prompt(p)) for p in prompts]
         result = summarize([v.correct for v in verdicts], [v.score for v in verdicts], categories)
-        rows = [i for c in shapes.CATEGORIES for i in [j for j, cat in enumerate(categories) if cat == c][: GRID_PROMPTS_PER_CATEGORY * k]]
-        picked = [i for i in rows if i % k < GRID_SAMPLES]
+        # The grid: the first GRID_ROWS_PER_CATEGORY rows of each category, same rows every time.
+        picked = [c * k + i for c in range(len(shapes.CATEGORIES)) for i in range(min(k, GRID_ROWS_PER_CATEGORY))]
         grid = save_grid(images[picked], [prompts[i] for i in picked], self.run_dir / "grids" / f"step_{step:06d}.png",
-                         per_prompt=min(k, GRID_SAMPLES))
+                         per_prompt=GRID_COLUMNS)
         metrics = {"val/accuracy": result.accuracy, "val/score": result.score, "time/validate": time.perf_counter() - start}
         metrics.update({f"val/{name}/accuracy": row["accuracy"] for name, row in result.per_category.items()})
         self.log(f"step {step}: held-out accuracy {result.accuracy:.1%} (score {result.score:.3f}); grid {grid}")

@@ -25,7 +25,7 @@ def tiny_config(model_dir, run_root, *overrides):
         "rollout.pipeline.num_inference_steps=4", "rollout.val_kwargs.pipeline={num_inference_steps: 4}",
         "rollout.algo.sde_window_size=2", "rollout.algo.sde_window_range=[0,3]", "rollout.n=4", "data.prompts_per_step=2",
         "rollout.server.max_wait_ms=200", "actor.micro_batch_size=4", "actor.mini_batch_size=4", "actor.lr=1e-3",
-        "actor.kl_coef=0.04", "trainer.val_samples_per_prompt=1", "trainer.val_every=2", "trainer.save_every=2",
+        "actor.kl_coef=0.04", "trainer.val_samples_per_category=2", "trainer.val_every=2", "trainer.save_every=2",
         "trainer.keep_last=null", "rollout.reward.name=test_brightness", *overrides,
     ])
 
@@ -113,3 +113,28 @@ def test_lora_target_matching_nothing_is_an_error(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"match no linear layer of TinyDiT; its linear layers end in \[.*'qkv'"):
         recipe.setup()
     recipe.cleanup()
+
+
+def test_category_balanced_prompts_cover_every_category(tiny_model_dir, tmp_path):
+    from flowloop.tasks import shapes
+
+    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "data.prompt_sampling=category_balanced",
+                                        "data.prompts_per_step=60"), log=lambda _: None)
+    batch = recipe.make_batch(step=3)
+    categories = [shapes.category_of(shapes.parse_prompt(p)) for p in batch["raw_prompt"][::4]]
+    counts = {c: categories.count(c) for c in shapes.CATEGORIES}
+    assert all(count >= 3 for count in counts.values()), counts  # uniform would give color_attr ~75%
+    assert set(batch["raw_prompt"]) <= set(shapes.split_prompts("train"))
+    assert list(recipe.make_batch(step=3)["raw_prompt"]) == list(batch["raw_prompt"])
+
+
+def test_eval_of_a_trained_checkpoint(tiny_model_dir, tmp_path):
+    from flowloop.cli import main
+
+    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "trainer.save_every=1"), log=lambda _: None)
+    checkpoint = tmp_path / "shapes" / "checkpoints" / "step_000001"
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(tiny_model_dir), "--checkpoint", str(checkpoint), "--samples-per-prompt", "1",
+                 "--steps", "2", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["n"] > 0
+    assert main(["eval", "--model", str(tiny_model_dir), "--checkpoint", str(tmp_path), "--steps", "2"]) == 2
