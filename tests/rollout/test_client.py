@@ -1,7 +1,6 @@
 import asyncio
 
 import pytest
-import torch
 
 from flowloop.rollout import RolloutClient, RolloutEngine, RolloutServer
 from tests.conftest import make_tiny_model

@@ -1,20 +1,9 @@
 import pytest
 import torch
 
-from flowloop.rollout import RolloutEngine, RolloutRequest, SamplingParams, guided_velocity
+from flowloop.rollout import RolloutRequest, guided_velocity
 from flowloop.sampling import get_step, sigmas
-from tests.conftest import make_tiny_model
 from tests.rollout.helpers import mixed_requests, prompt_ids, request
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    return RolloutEngine(model)
 
 
 def _stack(outputs, key):

@@ -1,21 +1,9 @@
 import asyncio
 
 import pytest
-import torch
 
-from flowloop.rollout import RolloutEngine, RolloutServer
-from tests.conftest import make_tiny_model
+from flowloop.rollout import RolloutServer
 from tests.rollout.helpers import mixed_requests, request
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    return RolloutEngine(model)
 
 
 async def _until(condition, timeout=10.0):
