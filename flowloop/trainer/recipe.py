@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -95,32 +97,30 @@ class FlowGRPORecipe:
             self.metrics_log.log(0, self.before)
             progress.update(0, accuracy=self.before["val/accuracy"])
         step = self.start_step
-        try:
-            for step in range(self.start_step + 1, cfg.total_steps + 1):
-                metrics = self.train_step(step)
-                if step % cfg.val_every == 0 or step == cfg.total_steps:
-                    metrics.update(self.validate(step))
-                self.metrics_log.log(step, metrics)
-                self.history.append({"step": step, **{k: v for k, v in metrics.items() if k.startswith("val/")}})
-                progress.update(step, metrics["reward/mean"], metrics.get("val/accuracy"), metrics["time/step"])
-                if step % cfg.save_every == 0 or step == cfg.total_steps:
-                    self.save(step)
-        except NonFiniteLossError:
-            if step - 1 > self.start_step:
-                self.save(step - 1)
-            progress.close()
-            self.log(f"stopped: non-finite loss {self.guard.max_consecutive} steps in a row; last good checkpoint "
-                     f"in {self.run_dir / 'checkpoints'}. Lower actor.lr and resume with trainer.resume=auto.")
-            raise
-        except KeyboardInterrupt:
-            done = step - 1
-            if done > self.start_step:
-                self.save(done)
-            progress.close()
-            self.log(f"\ninterrupted: checkpoint of step {done} in {self.run_dir / 'checkpoints'}; resume with\n"
-                     f"  flowloop train trainer.resume=auto trainer.run_root={self.cfg.trainer.run_root} "
-                     f"trainer.run_name={self.run_dir.name} (plus the overrides this run used)")
-            raise
+        with _StopRequest(self.log) as stop:
+            try:
+                for step in range(self.start_step + 1, cfg.total_steps + 1):
+                    metrics = self.train_step(step)
+                    if step % cfg.val_every == 0 or step == cfg.total_steps:
+                        metrics.update(self.validate(step))
+                    self.metrics_log.log(step, metrics)
+                    self.history.append({"step": step, **{k: v for k, v in metrics.items() if k.startswith("val/")}})
+                    progress.update(step, metrics["reward/mean"], metrics.get("val/accuracy"), metrics["time/step"])
+                    if step % cfg.save_every == 0 or step == cfg.total_steps or stop.requested:
+                        self.save(step)
+                    if stop.requested:
+                        progress.close()
+                        self.log(f"\nstopped by Ctrl-C: checkpoint of step {step} in {self.run_dir / 'checkpoints'}; resume with\n"
+                                 f"  flowloop train trainer.resume=auto trainer.run_root={cfg.run_root} "
+                                 f"trainer.run_name={self.run_dir.name} (plus the overrides this run used)")
+                        raise KeyboardInterrupt
+            except NonFiniteLossError:
+                if step - 1 > self.start_step:
+                    self.save(step - 1)
+                progress.close()
+                self.log(f"stopped: non-finite loss {self.guard.max_consecutive} steps in a row; last good checkpoint "
+                         f"in {self.run_dir / 'checkpoints'}. Lower actor.lr and resume with trainer.resume=auto.")
+                raise
         progress.close()
         return self.summary()
 
@@ -238,6 +238,31 @@ class FlowGRPORecipe:
             self.manager.shutdown()
         if hasattr(self, "metrics_log"):
             self.metrics_log.close()
+
+
+class _StopRequest:
+    """First Ctrl-C: finish the running step, checkpoint it, then stop (weights are never saved
+    half-updated). A second Ctrl-C interrupts at once. Outside the main thread it does nothing."""
+
+    def __init__(self, log):
+        self.log = log
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._ask)
+        return self
+
+    def _ask(self, signum, frame):
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+        self.log("\nCtrl-C: finishing this step, then writing a checkpoint (press again to stop at once)")
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
 
 
 def run(cfg: TrainConfig, log=print) -> dict:
