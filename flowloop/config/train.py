@@ -74,6 +74,9 @@ class ActorConfig:
     """Passes over each RL batch."""
     timestep_fraction: float = 1.0
     """Share of each row's recorded (SDE-window) steps trained on, taken in order."""
+    ema_decay: Optional[float] = None
+    """EMA of the trained weights, updated after every optimizer step, swapped in for validation
+    and kept in checkpoints; None = off (validation sees the live weights)."""
     skip_old_logprob: bool = True
     """Use the rollout's log-probs as logp_old (exact with colocated weights: see the
     rollout-correction metric) instead of a separate no-grad replay."""
@@ -159,6 +162,8 @@ class TrainConfig:
                              f"actor.micro_batch_size={self.actor.micro_batch_size}")
         if not 0 < self.actor.timestep_fraction <= 1:
             raise ValueError(f"actor.timestep_fraction must be in (0, 1], got {self.actor.timestep_fraction}")
+        if self.actor.ema_decay is not None and not 0.0 <= self.actor.ema_decay <= 1.0:
+            raise ValueError(f"actor.ema_decay must be in [0, 1] or null, got {self.actor.ema_decay}")
         if self.actor.kl_coef < 0:
             raise ValueError(f"actor.kl_coef must be >= 0, got {self.actor.kl_coef}")
         if not self.rollout.calculate_log_probs:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -44,6 +44,9 @@ class Actor:
             self.reference = copy.copy(model)
             self.reference.transformer = copy.deepcopy(self.module).requires_grad_(False).eval()
         trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.ema = None
+        if config.ema_decay is not None:
+            self.ema = {name: p.detach().clone() for name, p in self.module.named_parameters() if p.requires_grad}
         torch.manual_seed(seed)
         self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
         warmup = max(config.warmup_steps, 1)
@@ -52,6 +55,24 @@ class Actor:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights a checkpoint must hold (all of them, or the LoRA adapters)."""
         return {k: v for k, v in self.module.state_dict().items() if self.config.finetune == "full" or "lora_" in k}
+
+    @contextmanager
+    def ema_weights(self):
+        """Inside the block the module holds the EMA weights (no-op without EMA)."""
+        if self.ema is None:
+            yield
+            return
+        params = dict(self.module.named_parameters())
+        live = {name: params[name].detach().clone() for name in self.ema}
+        with torch.no_grad():
+            for name, value in self.ema.items():
+                params[name].copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in live.items():
+                    params[name].copy_(value)
 
     # -- replay -------------------------------------------------------------------------
     def replay(self, rows: dict[str, torch.Tensor], j: int, reference: bool = False):
@@ -128,6 +149,11 @@ class Actor:
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
         if torch.isfinite(norm):
             self.optimizer.step()
+            if self.ema is not None:
+                with torch.no_grad():
+                    for name, p in self.module.named_parameters():
+                        if name in self.ema:
+                            self.ema[name].lerp_(p, 1.0 - self.config.ema_decay)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.detach().cpu()

@@ -182,7 +182,8 @@ class FlowGRPORecipe:
         batch = Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": [f"val-{p}" for p in prompts]},
                                 meta_info={"validate": True})
         start = time.perf_counter()
-        out = self.manager.generate_sequences(batch)
+        with self.actor.ema_weights():
+            out = self.manager.generate_sequences(batch)
         # The task's own verifier measures accuracy, whatever reward the run trains on.
         images = to_uint8_images(out["responses"])
         verdicts = shapes.verify_batch(images, prompts)
@@ -201,6 +202,8 @@ class FlowGRPORecipe:
         extra = {"guard": self.guard.state_dict(), "history": json.dumps(self.history), "before": json.dumps(getattr(self, "before", {}))}
         if self.tracker is not None:
             extra["tracker"] = self.tracker.state_dict()
+        if self.actor.ema is not None:
+            extra["ema"] = self.actor.ema
         state = capture_rng_state()
         state["trainer_generator"] = self.generator.get_state()
         return save_checkpoint(self.run_dir, step, self.actor.trainable_state(), self.actor.optimizer, [self.actor.scheduler],
@@ -215,6 +218,8 @@ class FlowGRPORecipe:
         self.guard.load_state_dict(loaded.extra["guard"])
         if self.tracker is not None:
             self.tracker.load_state_dict(loaded.extra["tracker"])
+        if self.actor.ema is not None:
+            self.actor.ema = {k: v.to(next(self.actor.module.parameters()).device) for k, v in loaded.extra["ema"].items()}
         self.history = json.loads(loaded.extra["history"])
         self.before = json.loads(loaded.extra["before"])
         self.start_step = loaded.step

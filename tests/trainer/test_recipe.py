@@ -138,3 +138,16 @@ def test_eval_of_a_trained_checkpoint(tiny_model_dir, tmp_path):
                  "--steps", "2", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["n"] > 0
     assert main(["eval", "--model", str(tiny_model_dir), "--checkpoint", str(tmp_path), "--steps", "2"]) == 2
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0])
+def test_ema_follows_the_weights_at_decay_0_and_stays_at_the_base_at_1(tiny_model_dir, tmp_path, decay):
+    from flowloop.trainer.checkpoint import load_checkpoint
+
+    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2", f"actor.ema_decay={decay}"), log=lambda _: None)
+    loaded = load_checkpoint(tmp_path / "shapes" / "checkpoints" / "step_000002")
+    base = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    reference = loaded.model_state if decay == 0.0 else base
+    assert loaded.extra["ema"].keys() == base.keys()
+    assert all(torch.equal(loaded.extra["ema"][k], reference[k]) for k in base)
+    assert any(not torch.equal(loaded.model_state[k], base[k]) for k in base)
