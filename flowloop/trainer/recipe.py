@@ -32,7 +32,7 @@ from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
 from flowloop.trainer.checkpoint import (
     capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
 )
-from flowloop.trainer.evaluate import summarize, to_uint8_images
+from flowloop.trainer.evaluate import score_images, to_uint8_images
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
 from flowloop.trainer.metrics_log import MetricsLogger, ProgressLine
 from flowloop.visual import save_grid
@@ -52,6 +52,9 @@ class FlowGRPORecipe:
         self.log = log
         self.start_step = 0
         self.history: list[dict] = []
+        # Training prompts, whole and by category (validation reads the held-out split itself).
+        self.train_prompts = shapes.split_prompts(cfg.data.train_split)
+        self.train_prompts_by_category = [shapes.split_prompts(cfg.data.train_split, c) for c in shapes.CATEGORIES]
 
     # -- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -78,10 +81,7 @@ class FlowGRPORecipe:
         self.tracker = PerPromptStatTracker() if cfg.advantage.estimator == "per_prompt" else None
         self.guard = NonFiniteGuard()
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
-        # 3. Prompts: the train split to learn from, the held-out split to report on.
-        self.train_prompts = shapes.split_prompts(cfg.data.train_split)
-        self.val_prompts = shapes.split_prompts(cfg.data.val_split)
-        # 4. Resume: weights, optimizer, scheduler, RNG, trackers, history.
+        # 3. Resume: weights, optimizer, scheduler, RNG, trackers, history.
         if checkpoint is not None:
             self._restore(checkpoint)
         self.metrics_log = MetricsLogger(self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb,
@@ -161,8 +161,8 @@ class FlowGRPORecipe:
         rng = np.random.default_rng([self.cfg.trainer.seed, step])
         count = self.cfg.data.prompts_per_step
         if self.cfg.data.prompt_sampling == "category_balanced":
-            by_category = [shapes.split_prompts(self.cfg.data.train_split, c) for c in shapes.CATEGORIES]
-            chosen = [pool[rng.integers(len(pool))] for pool in (by_category[rng.integers(len(by_category))] for _ in range(count))]
+            pools = self.train_prompts_by_category
+            chosen = [pool[rng.integers(len(pool))] for pool in (pools[rng.integers(len(pools))] for _ in range(count))]
         else:
             chosen = [self.train_prompts[i] for i in rng.choice(len(self.train_prompts), count, replace=False)]
         n = self.cfg.rollout.n
@@ -186,8 +186,7 @@ class FlowGRPORecipe:
             out = self.manager.generate_sequences(batch)
         # The task's own verifier measures accuracy, whatever reward the run trains on.
         images = to_uint8_images(out["responses"])
-        verdicts = shapes.verify_batch(images, prompts)
-        result = summarize([v.correct for v in verdicts], [v.score for v in verdicts], categories)
+        result, _ = score_images(images, prompts, categories)
         # The grid: the first GRID_ROWS_PER_CATEGORY rows of each category, same rows every time.
         picked = [c * k + i for c in range(len(shapes.CATEGORIES)) for i in range(min(k, GRID_ROWS_PER_CATEGORY))]
         grid = save_grid(images[picked], [prompts[i] for i in picked], self.run_dir / "grids" / f"step_{step:06d}.png",
