@@ -20,6 +20,7 @@ from flowloop.agent_loop.actors import call
 from flowloop.agent_loop.base import AgentLoopOutput, prompt_text
 from flowloop.agent_loop.registry import agent_loop_config, instantiate_agent_loop, load_agent_loop_configs
 from flowloop.config.rollout import RolloutConfig
+from flowloop.models.base import is_sequence_embedding_key
 from flowloop.protocol import Batch, pad_to_length, to_object_array
 from flowloop.reward.worker import RewardSample
 from flowloop.rollout.client import RolloutClient
@@ -188,7 +189,7 @@ class AgentLoopWorker:
         stacked = {}
         for key in keys:
             values = [o.extra_fields[key] for o in outputs]
-            if key.endswith("prompt_embeds") or key.endswith("prompt_embeds_mask"):
+            if is_sequence_embedding_key(key):
                 for i, value in enumerate(values):
                     if value.shape[0] > length:
                         raise ValueError(f"{describe(i)}: {key} has {value.shape[0]} tokens, more than "

@@ -29,22 +29,33 @@ class FlowModel(Protocol):
     def latent_shape(self, height: int, width: int, num_frames: int | None = None) -> tuple[int, ...]:
         """Shape of one sample's latent (no batch axis); raises ValueError on a bad resolution."""
 
-    def encode_prompt(
-        self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids ``[B, L]`` -> (prompt_embeds ``[B, L, D]``, prompt_embeds_mask ``[B, L]``)."""
+    def encode_prompt(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Token ids ``[B, L]`` -> the denoiser's text conditioning, every tensor with batch axis ``B``.
 
-    def velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        prompt_embeds: torch.Tensor,
-        prompt_embeds_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Predicted velocity ``eps - x0`` at noise level ``sigma`` ``[B]``; same shape as latents."""
+        Always ``prompt_embeds [B, L, D]`` and ``prompt_embeds_mask [B, L]``; a model may add more
+        (``pooled_prompt_embeds [B, D]`` for SD3 and FLUX). Every key must contain
+        ``prompt_embeds`` (see `is_embedding_key`): the engine records these per sample and the
+        trainer replays with them, so a group's samples reuse one encoding end to end.
+        """
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Predicted velocity ``eps - x0`` at noise level ``sigma`` ``[B]``; same shape as latents.
+
+        ``embeds`` is what `encode_prompt` returned, indexed to the rows of ``latents``.
+        """
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> images ``[B, C, H, W]`` (or video ``[B, T, C, H, W]``), float in [0, 1]."""
 
     def trainable_module(self) -> torch.nn.Module:
         """The module RL updates (the denoiser); the text encoder and VAE stay frozen."""
+
+
+def is_embedding_key(key: str) -> bool:
+    """Whether a rollout output field is text conditioning (``*prompt_embeds*``, negatives included)."""
+    return "prompt_embeds" in key
+
+
+def is_sequence_embedding_key(key: str) -> bool:
+    """Text conditioning with a token axis (padded to ``max_sequence_length``); pooled ones have none."""
+    return is_embedding_key(key) and "pooled" not in key

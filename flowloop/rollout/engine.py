@@ -30,35 +30,35 @@ from flowloop.models.base import FlowModel
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest, SamplingParams
 from flowloop.sampling import apply_cfg, get_step, needs_uncond, ode_step, randn_per_sample, sde_window, sigmas
 
-__all__ = ["RolloutEngine", "guided_velocity"]
+__all__ = ["NEGATIVE", "RolloutEngine", "guided_velocity"]
+
+NEGATIVE = "negative_"
+"""Prefix of the negative (or empty) prompt's conditioning fields, used with CFG."""
 
 
 def guided_velocity(
     model: FlowModel,
     latents: torch.Tensor,
     sigma: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    prompt_embeds_mask: torch.Tensor,
+    embeds: dict[str, torch.Tensor],
     guidance_scale: float = 1.0,
-    negative_prompt_embeds: torch.Tensor | None = None,
-    negative_prompt_embeds_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The velocity a sampler steps with; the trainer's replay must call this same function.
 
+    ``embeds``: the conditional fields of `FlowModel.encode_prompt` (``prompt_embeds``, ...)
+    and, with CFG, the same fields of the negative (or empty) prompt prefixed ``negative_``.
     ``guidance_scale <= 1``: the conditional velocity. Otherwise CFG, with the conditional and
     negative rows in one denoiser call of ``2B`` rows (``[cond; negative]``), then
-    ``apply_cfg``. ``latents [B, ...]``, ``sigma [B]``, embeddings ``[B, L, D]``, masks ``[B, L]``.
+    ``apply_cfg``. ``latents [B, ...]``, ``sigma [B]``, every embedding ``[B, ...]``.
     """
+    cond = {k: v for k, v in embeds.items() if not k.startswith(NEGATIVE)}
     if not needs_uncond(guidance_scale):
-        return model.velocity(latents, sigma, prompt_embeds, prompt_embeds_mask)
-    if negative_prompt_embeds is None or negative_prompt_embeds_mask is None:
-        raise ValueError(f"guidance_scale={guidance_scale} > 1 needs negative_prompt_embeds and their mask")
-    v = model.velocity(
-        torch.cat([latents, latents]),
-        torch.cat([sigma, sigma]),
-        torch.cat([prompt_embeds, negative_prompt_embeds]),
-        torch.cat([prompt_embeds_mask, negative_prompt_embeds_mask]),
-    )  # [2B, ...]
+        return model.velocity(latents, sigma, cond)
+    missing = [NEGATIVE + k for k in cond if NEGATIVE + k not in embeds]
+    if missing:
+        raise ValueError(f"guidance_scale={guidance_scale} > 1 needs {missing}")
+    both = {k: torch.cat([v, embeds[NEGATIVE + k]]) for k, v in cond.items()}
+    v = model.velocity(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both)  # [2B, ...]
     v_cond, v_uncond = v.chunk(2)
     return apply_cfg(v_cond, v_uncond, guidance_scale)
 
@@ -163,17 +163,15 @@ class RolloutEngine:
         padded = [_pad(torch.tensor(key), self.model) for key in distinct]
         ids = torch.stack([p[0] for p in padded]).to(device)  # [P, L]
         mask = torch.stack([p[1] for p in padded]).to(device)  # [P, L]
-        prompt_embeds, prompt_mask = self.model.encode_prompt(ids, mask)  # [P, L, D], [P, L]
-        index = torch.tensor(index, device=prompt_embeds.device)
-        out = {"prompt_embeds": prompt_embeds[index], "prompt_embeds_mask": prompt_mask[index]}  # [B or 2B, L, ...]
+        encoded = self.model.encode_prompt(ids, mask)  # each [P, ...]
+        index = torch.tensor(index, device=encoded["prompt_embeds"].device)
+        rows_embeds = {name: value[index] for name, value in encoded.items()}  # each [B or 2B, ...]
         if not cfg:
-            return out
+            return rows_embeds
         b = len(requests)
         return {
-            "prompt_embeds": out["prompt_embeds"][:b],
-            "prompt_embeds_mask": out["prompt_embeds_mask"][:b],
-            "negative_prompt_embeds": out["prompt_embeds"][b:],
-            "negative_prompt_embeds_mask": out["prompt_embeds_mask"][b:],
+            **{name: value[:b] for name, value in rows_embeds.items()},
+            **{NEGATIVE + name: value[b:] for name, value in rows_embeds.items()},
         }
 
     def _denoise(
@@ -192,7 +190,7 @@ class RolloutEngine:
         records = [_Record() for _ in range(batch)]
         for i in range(params.num_inference_steps):
             t, t_next = schedule[i], schedule[i + 1]
-            v = guided_velocity(self.model, latents, t.to(device).expand(batch), guidance_scale=params.guidance_scale, **embeds)
+            v = guided_velocity(self.model, latents, t.to(device).expand(batch), embeds, params.guidance_scale)
             rows = [b for b in range(batch) if i in windows[b]]
             if len(rows) < batch:
                 ode = ode_step(v, t, t_next, latents)

@@ -131,9 +131,10 @@ class DiffusionOutput:
     """``[W]`` float32 log-probs of the window's steps; None when not asked for."""
     extra_fields: dict[str, torch.Tensor] = field(default_factory=dict)
     """All on the CPU, each its own storage (no views into a batch). Always:
-    ``prompt_embeds [L, D]`` and ``prompt_embeds_mask [L]`` (padded to ``max_sequence_length``);
-    with ``guidance_scale > 1``, ``negative_prompt_embeds [L, D]`` and
-    ``negative_prompt_embeds_mask [L]`` (the negative prompt's, or the empty prompt's for plain CFG).
+    the model's text conditioning, ``prompt_embeds [L, D]`` and ``prompt_embeds_mask [L]`` (padded
+    to ``max_sequence_length``) plus any field the model adds (``pooled_prompt_embeds [D]``);
+    with ``guidance_scale > 1``, the same fields of the negative prompt (or the empty prompt, for
+    plain CFG) prefixed ``negative_``.
     With ``logprobs``: ``all_latents [W+1, ...]`` float32 (the latent entering the window's first
     step, then the one after each window step), ``all_timesteps [W]`` (sigma of each window step)
     and ``all_next_timesteps [W]`` (the sigma it steps to), float32, the exact values sampled with:

@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from flowloop.config.train import ActorConfig
+from flowloop.models.base import is_embedding_key
 from flowloop.protocol import Batch
 from flowloop.rollout.engine import guided_velocity
 from flowloop.rollout.types import SamplingParams
@@ -24,7 +25,6 @@ from flowloop.sampling import get_step
 from flowloop.trainer.lora import adapters_disabled, add_lora
 from flowloop.trainer.losses import flow_grpo_loss, kl_loss
 
-EMBED_KEYS = ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds", "negative_prompt_embeds_mask")
 
 
 class Actor:
@@ -79,7 +79,7 @@ class Actor:
         """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
         x = rows["all_latents"][:, j]  # [b, C, H, W]
         t, t_next = rows["all_timesteps"][:, j], rows["all_next_timesteps"][:, j]  # [b]
-        embeds = {k: rows[k] for k in EMBED_KEYS if k in rows}
+        embeds = {k: v for k, v in rows.items() if is_embedding_key(k)}
         if reference and self.reference is not None:
             model, context = self.reference, nullcontext()
         elif reference:  # LoRA: the base model is the adapters switched off
@@ -87,7 +87,7 @@ class Actor:
         else:
             model, context = self.model, nullcontext()
         with context:
-            v = guided_velocity(model, x, t, guidance_scale=self.sampling.guidance_scale, **embeds)
+            v = guided_velocity(model, x, t, embeds, self.sampling.guidance_scale)
         return self.step_fn(v, t, t_next, x, noise_level=self.sampling.noise_level,
                             prev_sample=rows["all_latents"][:, j + 1], **self.step_kwargs)
 
@@ -99,7 +99,7 @@ class Actor:
         num_steps = batch["rollout_log_probs"].shape[1]
         trained = max(1, math.ceil(cfg.timestep_fraction * num_steps))
         micro_per_mini = cfg.mini_batch_size // cfg.micro_batch_size
-        keys = ["all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs", *[k for k in EMBED_KEYS if k in batch]]
+        keys = ["all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs", *[k for k in batch.keys() if is_embedding_key(k)]]
         tensors = {k: batch[k].to(device) for k in keys}
         advantages = advantages.to(device)
         if not cfg.skip_old_logprob:

@@ -11,9 +11,9 @@ from flowloop.models.tiny import TinyFlowModel
 
 def _velocity(model, prompts, seed=0):
     ids, mask = model.tokenize(prompts)
-    embeds, embeds_mask = model.encode_prompt(ids, mask)
+    embeds = model.encode_prompt(ids, mask)
     x = torch.randn(len(prompts), *model.latent_shape(16, 16), generator=torch.Generator().manual_seed(seed))
-    return model.velocity(x, torch.full((len(prompts),), 0.7), embeds, embeds_mask)
+    return model.velocity(x, torch.full((len(prompts),), 0.7), embeds)
 
 
 def test_save_and_load_round_trip_is_exact(tiny_model, tiny_model_dir):

@@ -52,7 +52,7 @@ def test_replay_gives_the_recorded_log_prob_exactly(engine, model, sampler, guid
     step = get_step(sampler)
     for k in range(log_probs.shape[1]):
         t, t_next = _stack(outputs, "all_timesteps")[:, k], _stack(outputs, "all_next_timesteps")[:, k]  # [B]
-        v = guided_velocity(model, latents[:, k], t, guidance_scale=guidance, **embeds)
+        v = guided_velocity(model, latents[:, k], t, embeds, guidance)
         replay = step(v, t, t_next, latents[:, k], noise_level=0.7, prev_sample=latents[:, k + 1])
         assert torch.equal(replay.log_prob, log_probs[:, k])
         assert torch.isfinite(replay.log_prob).all() and (replay.log_prob != 0).all()
@@ -118,9 +118,9 @@ def test_ode_matches_a_plain_euler_loop(engine, model, guidance):
         x = torch.stack([torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(k)) for k in range(3)])
         grid = sigmas(6)
         for i in range(6):
-            v = model.velocity(x, grid[i].expand(3), *cond)
+            v = model.velocity(x, grid[i].expand(3), cond)
             if guidance > 1:
-                v_u = model.velocity(x, grid[i].expand(3), *uncond)
+                v_u = model.velocity(x, grid[i].expand(3), uncond)
                 v = v_u + guidance * (v - v_u)
             x = x + v * (grid[i + 1] - grid[i])
     images = torch.stack([o.diffusion_output for o in outputs])

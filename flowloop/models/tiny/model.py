@@ -90,14 +90,14 @@ class TinyFlowModel:
             )
         return enc.input_ids, enc.attention_mask
 
-    def encode_prompt(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_prompt(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             embeds = self.text_encoder(prompt_ids.to(self.device), attention_mask.to(self.device))
-        return embeds, attention_mask.to(self.device)
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": attention_mask.to(self.device)}
 
-    def velocity(self, latents, sigma, prompt_embeds, prompt_embeds_mask) -> torch.Tensor:
+    def velocity(self, latents, sigma, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
         sigma = torch.as_tensor(sigma, dtype=latents.dtype, device=latents.device).expand(latents.shape[0])
-        return self.transformer(latents, sigma, prompt_embeds.to(latents.dtype), prompt_embeds_mask)
+        return self.transformer(latents, sigma, embeds["prompt_embeds"].to(latents.dtype), embeds["prompt_embeds_mask"])
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
