@@ -8,11 +8,12 @@ whole recipe. Every value is checked once, in `TrainConfig.validate`, with the k
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from flowloop.config.rollout import RolloutConfig
 
 KL_MODES = ("flow_grpo", "exact")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
 FINETUNE_MODES = ("full", "lora")
 RESUME_MODES = ("never", "auto")
 PROMPT_SAMPLING = ("uniform", "category_balanced")
@@ -24,6 +25,14 @@ class ModelConfig:
     """Local model folder in diffusers layout; None = the embedded shapes model."""
     device: str = "cpu"
     """Where the model runs (``cpu``, ``cuda``, ``cuda:1``)."""
+    dtype: str = "float32"
+    """Weights' dtype: ``float32`` (CPU, exact replay), ``bfloat16`` or ``float16`` (GPU). The
+    sampler's latents and log-prob math stay float32 whatever this is."""
+    gradient_checkpointing: bool = False
+    """Recompute the denoiser's activations in the backward pass: less memory, ~30% slower updates."""
+    options: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the model family's adapter (`flowloop.models.ADAPTERS`), e.g.
+    ``{guidance: 3.5}`` for FLUX.1-dev's guidance embedding; an unknown key is an error."""
 
 
 @dataclass
@@ -137,6 +146,7 @@ class TrainConfig:
         """Raise ValueError naming the first bad key and what it accepts."""
         self.rollout.validate()
         _choice("actor.finetune", self.actor.finetune, FINETUNE_MODES)
+        _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
         _choice("actor.kl_mode", self.actor.kl_mode, KL_MODES)
         if self.trainer.resume not in RESUME_MODES and "/" not in self.trainer.resume:
             raise ValueError(f"trainer.resume must be one of {list(RESUME_MODES)} or a checkpoint path, got {self.trainer.resume!r}")

@@ -74,7 +74,9 @@ class FlowGRPORecipe:
                 self.run_dir = Path(checkpoint).parent.parent
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         # 2. Model, rollout (colocated: the engine holds this same model), actor.
-        self.model = load_flow_model(cfg.model.path, device=cfg.model.device)
+        self.model = load_flow_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, **cfg.model.options)
+        if cfg.model.gradient_checkpointing:
+            self.model.trainable_module().enable_gradient_checkpointing()
         self.manager = AgentLoopManager.create(cfg.rollout, self.model)
         sampling = SamplingParams.from_dict(cfg.rollout.sampling_dict(validate=False))
         self.actor = Actor(self.model, cfg.actor, sampling, seed=cfg.trainer.seed)

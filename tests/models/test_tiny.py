@@ -93,7 +93,7 @@ def test_not_a_folder_and_unknown_pipeline(tmp_path, tiny_model_dir):
     index = json.loads((tiny_model_dir / "model_index.json").read_text())
     index["_class_name"] = "StableCascadePipeline"
     (tiny_model_dir / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="supported: \\['FlowloopTinyPipeline'\\]"):
+    with pytest.raises(ValueError, match=r"supported: \[.*'FlowloopTinyPipeline'.*'StableDiffusion3Pipeline'"):
         load_flow_model(tiny_model_dir)
 
 
@@ -105,3 +105,8 @@ def test_embedded_model_ships_small_and_loads():
     assert model.latent_shape(32, 32) == (3, 32, 32)
     weights = load_file(EMBEDDED_MODEL / "transformer" / "diffusion_pytorch_model.safetensors")
     assert all(w.dtype == torch.float16 for w in weights.values())
+
+
+def test_unknown_model_option_names_the_option(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"model.options \['guidance'\] are not options of TinyFlowModel; it takes \[\]"):
+        load_flow_model(tiny_model_dir, guidance=3.5)
