@@ -23,7 +23,11 @@ demo: setup
 	$(BIN)/flowloop eval --split heldout --json runs/demo/eval.json --grid runs/demo/heldout_grid.png
 	$(BIN)/flowloop generate "two red circles" --out runs/demo/samples
 
+# The OCR reward tests need the tesseract program: `test` installs it when apt-get is usable (root or
+# passwordless sudo); otherwise those tests skip.
 test: setup
+	@command -v tesseract >/dev/null || { S=$$([ "$$(id -u)" = 0 ] || echo sudo -n); $$S apt-get update -qq; \
+	  $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tesseract-ocr; } >/dev/null 2>&1 || echo "tesseract-ocr not installed (needs root or passwordless sudo): OCR tests will skip"
 	$(BIN)/python -m pytest -q
 
 test-slow: setup

@@ -1,4 +1,4 @@
-"""`flowloop` command line: train, eval, generate, plot, pretrain.
+"""`flowloop` command line: train, eval, generate, plot, pretrain, serve-reward.
 
 Each command prints what it does, shows a progress bar on long work, and turns bad input
 into a one-line error (exit code 2) that names the field and the fix.
@@ -103,6 +103,18 @@ def cmd_eval(args) -> None:
         print(f"wrote {args.grid}")
 
 
+def cmd_serve_reward(args) -> None:
+    from flowloop.reward.serve import RewardServer, parse_kwargs
+
+    server = RewardServer(args.name, parse_kwargs(args.kwargs), args.host, args.port, args.max_batch_size, args.max_wait_ms)
+    print(f"serving reward {args.name!r} at {server.url} (POST /score, GET /health); Ctrl-C stops", flush=True)
+    print(f"train with: rollout.reward.name=remote rollout.reward.kwargs.url={server.url}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowloop", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("serve-reward", help="host a registered reward over HTTP for rollout.reward.name=remote")
+    p.add_argument("name", help="a registered reward (e.g. shapes, jpeg_compressibility, combined) or module:function")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free one; the URL is printed)")
+    p.add_argument("--kwargs", action="append", default=[], metavar="JSON|KEY=VALUE",
+                   help="the reward's kwargs, repeatable: '{\"device\": \"cuda:0\"}' or scale_kb=100 or components.shapes=1.0")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most samples one reward call scores (across requests)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits to fill with other requests' samples")
+    p.set_defaults(func=cmd_serve_reward)
     return parser
 
 

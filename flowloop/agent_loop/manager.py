@@ -73,7 +73,8 @@ class AgentLoopManager:
         rewards = []
         if config.reward.name is not None:
             r = config.reward
-            rewards = [make_actor(RewardWorker, mode, r.name, r.max_batch_size, r.max_wait_ms) for _ in range(r.num_workers)]
+            rewards = [make_actor(RewardWorker, mode, r.name, r.max_batch_size, r.max_wait_ms, r.kwargs)
+                       for _ in range(r.num_workers)]
         workers = [
             make_actor(AgentLoopWorker, mode, config, model.tokenizer, servers, rewards)
             for _ in range(config.agent.num_workers)

@@ -99,7 +99,14 @@ class RewardConfig:
     """The streaming reward: which function scores each sample as soon as it is generated."""
 
     name: Optional[str] = "shapes"
-    """A registered reward (`flowloop.reward.registry`); None scores nothing (no ``rm_scores``)."""
+    """A registered reward (`flowloop.reward.registry`; e.g. shapes, jpeg_compressibility,
+    combined, remote) or ``package.module:function``; None scores nothing (no ``rm_scores``)."""
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    """The reward's keyword arguments: a factory reward is built with them once per worker, a
+    plain function gets them on every call (`flowloop.reward.registry.build_reward`). Examples:
+    ``{device: cuda:0}``; ``{url: "http://host:8000", timeout_s: 30}`` for ``remote``;
+    ``{components: {shapes: 1.0, jpeg_compressibility: 0.1}}`` for ``combined`` (a weighted sum,
+    each part logged as ``reward/<part>``; see `flowloop.reward.combine`)."""
     num_workers: int = 1
     """RewardWorkers; rows go to worker ``global_row_index % num_workers``. More workers score
     in parallel (threads locally, processes in Ray mode)."""
@@ -157,6 +164,8 @@ class RolloutConfig:
         for key, value in (("reward.max_wait_ms", self.reward.max_wait_ms), ("server.max_wait_ms", self.server.max_wait_ms)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0, got {value}")
+        if self.reward.kwargs and self.reward.name is None:
+            raise ValueError(f"reward.kwargs is set ({sorted(self.reward.kwargs)}) but reward.name is null; set both or neither")
         if self.reward.failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"reward.failure_policy must be one of {list(FAILURE_POLICIES)}, got {self.reward.failure_policy!r}")
         # val_kwargs are free dicts: check their keys and types against the typed sections once, here.

@@ -15,7 +15,6 @@ wrapped with ``ray.remote``, as an async Ray actor.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from flowloop.reward.registry import get_reward
+from flowloop.reward.registry import build_reward, is_async
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +51,18 @@ class RewardResult:
 
 
 class RewardWorker:
-    """Runs the reward function registered as ``reward_fn`` on micro-batches of samples."""
+    """Runs reward ``reward_fn`` (a registered name or ``module:function``, built with
+    ``kwargs``: see `flowloop.reward.registry.build_reward`) on micro-batches of samples.
 
-    def __init__(self, reward_fn: str, max_batch_size: int = 16, max_wait_ms: float = 0.0):
+    The reward is built here, so in Ray mode a reward model loads inside the actor.
+    """
+
+    def __init__(self, reward_fn: str, max_batch_size: int = 16, max_wait_ms: float = 0.0,
+                 kwargs: dict[str, Any] | None = None):
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1 and max_wait_ms >= 0, got {max_batch_size}, {max_wait_ms}")
         self.name = reward_fn
-        self.fn = get_reward(reward_fn)
+        self.fn = build_reward(reward_fn, kwargs)
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self._queue: asyncio.Queue | None = None
@@ -133,7 +137,7 @@ class RewardWorker:
         images = torch.stack([sample.image for sample in samples])  # [B, C, H, W] or [B, T, C, H, W]
         prompts = [sample.prompt for sample in samples]
         metadata = [sample.metadata for sample in samples]
-        if inspect.iscoroutinefunction(self.fn):
+        if is_async(self.fn):
             out = await self.fn(images, prompts, metadata)
         else:
             out = await asyncio.to_thread(self.fn, images, prompts, metadata)

@@ -25,6 +25,7 @@ from flowloop.config import to_yaml
 from flowloop.config.train import TrainConfig
 from flowloop.models import load_flow_model
 from flowloop.protocol import Batch
+from flowloop.reward.worker import ERROR_KEY
 from flowloop.rollout.types import SamplingParams
 from flowloop.tasks import shapes
 from flowloop.trainer.actor import Actor
@@ -149,8 +150,8 @@ class FlowGRPORecipe:
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()
         metrics.update({
+            **reward_extra_means(out),
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
-            **{f"reward/{k}": float(np.mean([bool(v) for v in out[k]])) for k in ("correct",) if k in out},
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
             "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
             "throughput/samples_per_s": len(out) / (end - start),
@@ -244,6 +245,21 @@ class FlowGRPORecipe:
             self.manager.shutdown()
         if hasattr(self, "metrics_log"):
             self.metrics_log.close()
+
+
+def reward_extra_means(out: Batch) -> dict[str, float]:
+    """``reward/<key>``: the mean of every numeric reward extra-info column the reward declared
+    (``meta_info["reward_extra_keys"]``; bools count 0/1, so ``correct`` gives the accuracy). A
+    key already starting with ``reward/`` (a combined reward's parts) keeps its name. Missing
+    values (None) are left out; columns of other types (dicts, strings, errors) are skipped."""
+    means = {}
+    for key in out.meta_info.get("reward_extra_keys", []):
+        if key == ERROR_KEY or key not in out:
+            continue
+        values = [v for v in out[key] if v is not None]
+        if values and all(isinstance(v, (bool, int, float, np.bool_, np.number)) for v in values):
+            means[key if key.startswith("reward/") else f"reward/{key}"] = float(np.mean([float(v) for v in values]))
+    return means
 
 
 class _StopRequest:

@@ -1,0 +1,68 @@
+"""JPEG compressibility and incompressibility: the size of an image's JPEG file as a reward.
+
+Defined as DDPO and Flow-GRPO define them: the image is quantised to 8 bits, saved by PIL as
+JPEG at quality 95, and its size taken in kB (1 kB = 1000 bytes). Then
+
+- ``jpeg_compressibility``   = -size_kb / scale_kb, ``scale_kb = 500`` by default: Flow-GRPO's
+  ``-size / 500`` (DDPO used ``-size``), which keeps a 512 px image's 50-300 kB near
+  -0.1..-0.6, the range of the [0, 1] rewards it is combined with;
+- ``jpeg_incompressibility`` = +size_kb / scale_kb, ``scale_kb = 1`` by default: both DDPO and
+  Flow-GRPO reward the raw kB.
+
+Set ``scale_kb`` in ``reward.kwargs`` to rescale. Video ``[B, T, C, H, W]``: the mean size over
+frames. Extra info: ``jpeg_kb`` (the trainer logs its mean as ``reward/jpeg_kb``).
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
+from flowloop.reward.registry import register_reward
+
+JPEG_QUALITY = 95
+"""PIL quality setting of both papers' code."""
+
+
+@register_reward("jpeg_compressibility")
+def jpeg_compressibility(images, prompts, metadata, *, scale_kb: float = 500.0):
+    """``-size_kb / scale_kb``: smaller files (flatter images) score higher."""
+    _check_scale(scale_kb)
+    sizes = jpeg_sizes_kb(images)
+    return [-size / scale_kb for size in sizes], [{"jpeg_kb": size} for size in sizes]
+
+
+@register_reward("jpeg_incompressibility")
+def jpeg_incompressibility(images, prompts, metadata, *, scale_kb: float = 1.0):
+    """``+size_kb / scale_kb``: larger files (busier images) score higher."""
+    _check_scale(scale_kb)
+    sizes = jpeg_sizes_kb(images)
+    return [size / scale_kb for size in sizes], [{"jpeg_kb": size} for size in sizes]
+
+
+def jpeg_sizes_kb(images: torch.Tensor) -> list[float]:
+    """JPEG size in kB of each image of ``[B, C, H, W]`` (C = 1 or 3, floats in [0, 1]); for
+    ``[B, T, C, H, W]`` the mean over each video's frames."""
+    if images.ndim not in (4, 5) or images.shape[-3] not in (1, 3):
+        raise ValueError(f"images must be [B, C, H, W] or [B, T, C, H, W] with C = 1 or 3, got {tuple(images.shape)}")
+    if images.ndim == 4:
+        images = images.unsqueeze(1)  # [B, 1, C, H, W]: an image is a one-frame video
+    pixels = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+    frames = pixels.permute(0, 1, 3, 4, 2).numpy()  # [B, T, H, W, C]
+    return [float(np.mean([_jpeg_bytes(frame) for frame in video])) / 1000 for video in frames]
+
+
+def _check_scale(scale_kb: float) -> None:
+    if not scale_kb > 0:
+        raise ValueError(f"scale_kb must be > 0, got {scale_kb}")
+
+
+def _jpeg_bytes(frame: np.ndarray) -> int:
+    """Bytes of one ``[H, W, C]`` uint8 frame saved as JPEG."""
+    image = Image.fromarray(frame[..., 0] if frame.shape[-1] == 1 else frame)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=JPEG_QUALITY)
+    return buffer.tell()
