@@ -43,6 +43,15 @@ class DataConfig:
     """Split validation reports accuracy on."""
     prompts_per_step: int = 16
     """Distinct prompts per RL step; each is sampled ``rollout.n`` times (a group)."""
+    prompt_file: Optional[str] = None
+    """Train prompts from a local file (``.txt``, one per line, or ``.jsonl`` with ``prompt``; see
+    `flowloop.trainer.prompt_data`) instead of the shapes world; for real models."""
+    val_prompt_file: Optional[str] = None
+    """Validation prompts (same formats) scored with the training reward; None with a
+    ``prompt_file`` validates on that file's first ``trainer.val_samples_per_category`` prompts."""
+    negative_prompt: Optional[str] = None
+    """The negative prompt of every row, for true CFG (``rollout.pipeline.guidance_scale > 1``);
+    None = plain CFG against the empty prompt. Qwen-Image recommends ``" "``."""
     prompt_sampling: str = "uniform"
     """``uniform`` over the split's prompts, or ``category_balanced``: a category first, then one of
     its prompts, so every category trains equally (held-out accuracy is the mean over categories,
@@ -157,6 +166,11 @@ class TrainConfig:
         _choice("data.train_split", self.data.train_split, SPLITS)
         _choice("data.val_split", self.data.val_split, SPLITS)
         _choice("data.prompt_sampling", self.data.prompt_sampling, PROMPT_SAMPLING)
+        if self.data.prompt_file is not None and self.data.prompt_sampling != "uniform":
+            raise ValueError(f"data.prompt_sampling={self.data.prompt_sampling!r} needs the shapes world's categories; "
+                             "use data.prompt_sampling=uniform with data.prompt_file")
+        if self.data.val_prompt_file is not None and self.data.prompt_file is None:
+            raise ValueError("data.val_prompt_file needs data.prompt_file (the shapes world has its own held-out split)")
         positive = {
             "data.prompts_per_step": self.data.prompts_per_step, "actor.micro_batch_size": self.actor.micro_batch_size,
             "actor.mini_batch_size": self.actor.mini_batch_size, "actor.inner_epochs": self.actor.inner_epochs,

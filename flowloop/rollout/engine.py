@@ -48,8 +48,8 @@ def guided_velocity(
     ``embeds``: the conditional fields of `FlowModel.encode_prompt` (``prompt_embeds``, ...)
     and, with CFG, the same fields of the negative (or empty) prompt prefixed ``negative_``.
     ``guidance_scale <= 1``: the conditional velocity. Otherwise CFG, with the conditional and
-    negative rows in one denoiser call of ``2B`` rows (``[cond; negative]``), then
-    ``apply_cfg``. ``latents [B, ...]``, ``sigma [B]``, every embedding ``[B, ...]``.
+    negative rows in one denoiser call of ``2B`` rows (``[cond; negative]``), then the model's
+    ``combine_guidance`` when it has one, else ``apply_cfg``. ``latents [B, ...]``, ``sigma [B]``, every embedding ``[B, ...]``.
     """
     cond = {k: v for k, v in embeds.items() if not k.startswith(NEGATIVE)}
     if not needs_uncond(guidance_scale):
@@ -60,7 +60,8 @@ def guided_velocity(
     both = {k: torch.cat([v, embeds[NEGATIVE + k]]) for k, v in cond.items()}
     v = model.velocity(torch.cat([latents, latents]), torch.cat([sigma, sigma]), both)  # [2B, ...]
     v_cond, v_uncond = v.chunk(2)
-    return apply_cfg(v_cond, v_uncond, guidance_scale)
+    combine = getattr(model, "combine_guidance", None)  # a family's own CFG rule (Qwen-Image rescales)
+    return combine(v_cond, v_uncond, guidance_scale) if combine else apply_cfg(v_cond, v_uncond, guidance_scale)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from flowloop.trainer.checkpoint import (
 from flowloop.trainer.evaluate import score_images, to_uint8_images
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
 from flowloop.trainer.metrics_log import MetricsLogger, ProgressLine
+from flowloop.trainer.prompt_data import load_prompt_file
 from flowloop.visual import save_grid
 
 logger = logging.getLogger(__name__)
@@ -53,9 +54,17 @@ class FlowGRPORecipe:
         self.log = log
         self.start_step = 0
         self.history: list[dict] = []
-        # Training prompts, whole and by category (validation reads the held-out split itself).
-        self.train_prompts = shapes.split_prompts(cfg.data.train_split)
-        self.train_prompts_by_category = [shapes.split_prompts(cfg.data.train_split, c) for c in shapes.CATEGORIES]
+        self.val_metric = "val/reward" if cfg.data.prompt_file is not None else "val/accuracy"
+        """The validation figure the progress line and the summary report."""
+        # Training prompts: a prompt file's rows, or the shapes world's split, whole and by category.
+        if cfg.data.prompt_file is not None:
+            self.train_rows = load_prompt_file(cfg.data.prompt_file)
+            val_file = cfg.data.val_prompt_file
+            self.val_rows = (load_prompt_file(val_file, "data.val_prompt_file") if val_file
+                             else self.train_rows[:cfg.trainer.val_samples_per_category])
+        else:
+            self.train_rows = [{"raw_prompt": p} for p in shapes.split_prompts(cfg.data.train_split)]
+            self.train_prompts_by_category = [shapes.split_prompts(cfg.data.train_split, c) for c in shapes.CATEGORIES]
 
     # -- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -98,7 +107,7 @@ class FlowGRPORecipe:
         if self.start_step == 0:
             self.before = self.validate(0)
             self.metrics_log.log(0, self.before)
-            progress.update(0, accuracy=self.before["val/accuracy"])
+            progress.update(0, accuracy=self.before[self.val_metric])
         step = self.start_step
         with _StopRequest(self.log) as stop:
             try:
@@ -108,7 +117,7 @@ class FlowGRPORecipe:
                         metrics.update(self.validate(step))
                     self.metrics_log.log(step, metrics)
                     self.history.append({"step": step, **{k: v for k, v in metrics.items() if k.startswith("val/")}})
-                    progress.update(step, metrics["reward/mean"], metrics.get("val/accuracy"), metrics["time/step"])
+                    progress.update(step, metrics["reward/mean"], metrics.get(self.val_metric), metrics["time/step"])
                     if step % cfg.save_every == 0 or step == cfg.total_steps or stop.requested:
                         self.save(step)
                     if stop.requested:
@@ -165,25 +174,38 @@ class FlowGRPORecipe:
         count = self.cfg.data.prompts_per_step
         if self.cfg.data.prompt_sampling == "category_balanced":
             pools = self.train_prompts_by_category
-            chosen = [pool[rng.integers(len(pool))] for pool in (pools[rng.integers(len(pools))] for _ in range(count))]
+            chosen = [{"raw_prompt": pool[rng.integers(len(pool))]}
+                      for pool in (pools[rng.integers(len(pools))] for _ in range(count))]
         else:
-            chosen = [self.train_prompts[i] for i in rng.choice(len(self.train_prompts), count, replace=False)]
+            rows = self.train_rows
+            chosen = [rows[i] for i in rng.choice(len(rows), count, replace=count > len(rows))]
         n = self.cfg.rollout.n
-        prompts = [p for p in chosen for _ in range(n)]
         uids = [f"{step}-{g}" for g in range(len(chosen)) for _ in range(n)]
-        return Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": uids}, meta_info={"global_steps": step})
+        return self._prompt_batch([row for row in chosen for _ in range(n)], uids, {"global_steps": step})
+
+    def _prompt_batch(self, rows: list[dict], uids: list[str], meta_info: dict) -> Batch:
+        """Rows -> a Batch with ``raw_prompt``, ``uid``, every extra field of a prompt file, and
+        ``negative_prompt`` when ``data.negative_prompt`` is set."""
+        columns = {"raw_prompt": [r["raw_prompt"] for r in rows], "uid": uids}
+        for key in dict.fromkeys(k for r in rows for k in r if k != "raw_prompt"):
+            columns[key] = [r.get(key) for r in rows]
+        if self.cfg.data.negative_prompt is not None:
+            columns["negative_prompt"] = [self.cfg.data.negative_prompt] * len(rows)
+        return Batch.from_dict(non_tensors=columns, meta_info=meta_info)
 
     # -- validation ---------------------------------------------------------------------
     def validate(self, step: int) -> dict[str, float]:
-        """Held-out prompts with ``val_kwargs`` (ODE, fixed seeds); accuracy overall and per category."""
+        """Held-out prompts with ``val_kwargs`` (ODE, fixed seeds): shapes-world accuracy, or, with a
+        prompt file, the mean training reward (``val/reward``)."""
+        if self.cfg.data.prompt_file is not None:
+            return self._validate_with_reward(step)
         k = self.cfg.trainer.val_samples_per_category
         prompts, categories = [], []
         for category in shapes.CATEGORIES:
             pool = shapes.split_prompts(self.cfg.data.val_split, category)
             prompts += [pool[(i // GRID_COLUMNS) % len(pool)] for i in range(k)]  # blocks of GRID_COLUMNS seeds
             categories += [category] * k
-        batch = Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": [f"val-{p}" for p in prompts]},
-                                meta_info={"validate": True})
+        batch = self._prompt_batch([{"raw_prompt": p} for p in prompts], [f"val-{p}" for p in prompts], {"validate": True})
         start = time.perf_counter()
         with self.actor.ema_weights():
             out = self.manager.generate_sequences(batch)
@@ -198,6 +220,23 @@ class FlowGRPORecipe:
         metrics.update({f"val/{name}/accuracy": row["accuracy"] for name, row in result.per_category.items()})
         self.log(f"step {step}: held-out accuracy {result.accuracy:.1%} (score {result.score:.3f}); grid {grid}")
         return metrics
+
+    def _validate_with_reward(self, step: int) -> dict[str, float]:
+        rows = self.val_rows
+        batch = self._prompt_batch(rows, [f"val-{i}" for i in range(len(rows))], {"validate": True})
+        start = time.perf_counter()
+        with self.actor.ema_weights():
+            out = self.manager.generate_sequences(batch)
+        scores = out["rm_scores"][:, 0]  # [V]
+        responses = out["responses"]  # [V, C, H, W] or video [V, T, C, H, W]: the grid shows first frames
+        images = to_uint8_images(responses[:, 0] if responses.ndim == 5 else responses)
+        picked = list(range(min(len(rows), GRID_ROWS_PER_CATEGORY * GRID_COLUMNS)))
+        grid = save_grid(images[picked], [rows[i]["raw_prompt"] for i in picked],
+                         self.run_dir / "grids" / f"step_{step:06d}.png", per_prompt=1)
+        reward = float(torch.nanmean(scores))
+        self.log(f"step {step}: validation reward {reward:.4f} over {len(rows)} prompts; grid {grid}")
+        return {"val/reward": reward, **{f"val/{k}": v for k, v in reward_extra_means(out).items()},
+                "time/validate": time.perf_counter() - start}
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, step: int) -> Path:
@@ -228,12 +267,13 @@ class FlowGRPORecipe:
 
     # -- summary and cleanup ------------------------------------------------------------
     def summary(self) -> dict:
-        after = next((h for h in reversed(self.history) if "val/accuracy" in h), {})
+        after = next((h for h in reversed(self.history) if self.val_metric in h), {})
         summary = {
             "run_dir": str(self.run_dir),
             "steps": self.cfg.trainer.total_steps,
-            "accuracy_before": self.before.get("val/accuracy"),
-            "accuracy_after": after.get("val/accuracy"),
+            "val_metric": self.val_metric,
+            "before": self.before.get(self.val_metric),
+            "after": after.get(self.val_metric),
             "grid_before": str(self.run_dir / "grids" / "step_000000.png"),
             "grid_after": str(self.run_dir / "grids" / f"step_{after.get('step', 0):06d}.png"),
         }

@@ -96,6 +96,21 @@ def test_combine_guidance_is_the_pipelines_true_cfg(model):
     assert torch.allclose(pack(model.combine_guidance(v_cond, v_neg, 4.0)), expected, atol=1e-6)
 
 
+def test_engine_guides_with_the_models_rule(model):
+    from flowloop.rollout.engine import guided_velocity
+
+    ids, mask = _ids(model, ["a red circle", " "])
+    embeds = model.encode_prompt(ids, mask)
+    x = torch.randn(1, *model.latent_shape(RES, RES), generator=torch.Generator().manual_seed(3))
+    sigma = torch.full((1,), 0.6)
+    cond = {k: v[:1] for k, v in embeds.items()}
+    both = {**cond, **{"negative_" + k: v[1:] for k, v in embeds.items()}}
+    v_cond, v_neg = model.velocity(x, sigma, cond), model.velocity(x, sigma, {k: v[1:] for k, v in embeds.items()})
+    expected = model.combine_guidance(v_cond, v_neg, 4.0)
+    assert torch.allclose(guided_velocity(model, x, sigma, both, 4.0), expected, atol=1e-5)
+    assert not torch.allclose(expected, v_neg + 4.0 * (v_cond - v_neg), atol=1e-3)  # the rescale matters
+
+
 def test_a_row_gets_one_velocity_whatever_prompts_share_its_batch(model):
     """CFG sends [cond; negative] rows of different prompt lengths through one call, under the mask."""
     with torch.no_grad():

@@ -48,7 +48,7 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
     before = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     after = load_file(tmp_path / "shapes" / "checkpoints" / "step_000002" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert summary["accuracy_before"] is not None and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
+    assert summary["val_metric"] == "val/accuracy" and summary["before"] is not None and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
 
 
 def test_resume_is_exact(tiny_model_dir, tmp_path):
