@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from flowloop.models.prompt_ids import encode_chat  # noqa: F401  (part of the agent-loop API)
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest, SamplingParams
 
 
@@ -79,23 +80,6 @@ def prompt_text(raw_prompt: str | list[dict]) -> str:
     if not users:
         raise ValueError(f"raw_prompt has no user message: {raw_prompt!r}")
     return users[-1]
-
-
-def encode_chat(tokenizer, messages: list[dict]) -> torch.Tensor:
-    """Chat template + tokenizer -> ``[L]`` int64 ids, unpadded.
-
-    Call it on the event-loop thread only: a fast tokenizer used from two threads at once
-    raises "Already borrowed". A word the tokenizer maps to its unknown token is an error here,
-    not a silently different prompt.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    unk = tokenizer.unk_token_id
-    if unk is not None and unk in ids:
-        encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
-        unknown = [text[a:b] for (a, b), tok in zip(encoding.offsets, encoding.ids) if tok == unk]
-        raise ValueError(f"prompt {text!r} has words the tokenizer does not know: {unknown}")
-    return torch.tensor(ids, dtype=torch.long)
 
 
 async def timed_generate(client, request: RolloutRequest, metrics: AgentLoopMetrics) -> DiffusionOutput:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowloop.models.base import FlowModel
+from flowloop.models.prompt_ids import encode_chat
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest, SamplingParams
 from flowloop.sampling import apply_cfg, get_step, needs_uncond, ode_step, randn_per_sample, sde_window, sigmas
 
@@ -79,7 +80,7 @@ class RolloutEngine:
 
     def __init__(self, model: FlowModel):
         self.model = model
-        self._empty_prompt_ids = _chat_template_ids(model.tokenizer, "")  # the unconditional prompt
+        self._empty_prompt_ids = encode_chat(model.tokenizer, [{"role": "user", "content": ""}])  # the unconditional prompt
 
     # -- intake -------------------------------------------------------------------------
     def validate(self, request: RolloutRequest) -> None:
@@ -229,12 +230,6 @@ class RolloutEngine:
 
 def _seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
-
-
-def _chat_template_ids(tokenizer, prompt: str) -> torch.Tensor:
-    """``prompt`` through the chat template, as the agent loop tokenizes: ids ``[L]``, unpadded."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
-    return torch.tensor(tokenizer(text, add_special_tokens=False).input_ids, dtype=torch.long)
 
 
 def _pad(ids: torch.Tensor, model: FlowModel) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,8 @@ from flowloop.config.train import ActorConfig
 from flowloop.models import load_flow_model
 from flowloop.models.qwen_image import LORA_TARGETS, QwenImageFlowModel
 from flowloop.protocol import Batch
-from flowloop.rollout.engine import _chat_template_ids, _pad
+from flowloop.models.prompt_ids import encode_chat
+from flowloop.rollout.engine import _pad
 from flowloop.rollout.types import SamplingParams
 from flowloop.trainer.actor import Actor
 from tests.models.tiny_diffusers_video import LATENT_CHANNELS, PROMPTS, TEXT_DIM, save_qwen_image
@@ -34,7 +35,7 @@ def model(folder):
 
 def _ids(model, prompts):
     """Prompts as the agent loop and engine make them: templated ids, padded to max_sequence_length."""
-    rows = [_pad(_chat_template_ids(model.tokenizer, p), model) for p in prompts]
+    rows = [_pad(encode_chat(model.tokenizer, [{"role": "user", "content": p}]), model) for p in prompts]
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 

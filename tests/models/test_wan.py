@@ -14,7 +14,8 @@ from flowloop.config.train import ActorConfig
 from flowloop.models import load_flow_model
 from flowloop.models.wan import LORA_TARGETS, WanFlowModel
 from flowloop.protocol import Batch
-from flowloop.rollout.engine import RolloutEngine, _chat_template_ids, _pad
+from flowloop.models.prompt_ids import encode_chat
+from flowloop.rollout.engine import RolloutEngine, _pad
 from flowloop.rollout.types import RolloutRequest, SamplingParams
 from flowloop.trainer.actor import Actor
 from tests.models.tiny_diffusers_video import LATENT_CHANNELS, PROMPTS, TEXT_DIM, save_wan
@@ -34,13 +35,13 @@ def model(folder):
 
 
 def _ids(model, prompts):
-    rows = [_pad(_chat_template_ids(model.tokenizer, p), model) for p in prompts]
+    rows = [_pad(encode_chat(model.tokenizer, [{"role": "user", "content": p}]), model) for p in prompts]
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 def test_loads_with_t5_chat_template_and_video_latents(model):
     assert isinstance(model, WanFlowModel)
-    ids = _chat_template_ids(model.tokenizer, "a red circle")
+    ids = encode_chat(model.tokenizer, [{"role": "user", "content": "a red circle"}])
     assert model.tokenizer.convert_ids_to_tokens(ids.tolist()) == ["\u2581a", "\u2581red", "\u2581circle", "</s>"]
     assert model.max_sequence_length == 512
     assert model.latent_shape(48, 32, 33) == (LATENT_CHANNELS, 9, 6, 4)
@@ -131,7 +132,7 @@ def test_rollout_replays_exactly_and_a_lora_update_moves_the_model(folder):
 
 def test_bad_inputs_name_what_is_wrong(model, folder, tmp_path):
     engine = RolloutEngine(model)
-    request = RolloutRequest("r0", _chat_template_ids(model.tokenizer, "a red circle"),
+    request = RolloutRequest("r0", encode_chat(model.tokenizer, [{"role": "user", "content": "a red circle"}]),
                              SamplingParams(height=RES, width=RES, num_frames=6, num_inference_steps=STEPS))
     with pytest.raises(ValueError, match=r"num_frames=6 must be 4k\+1"):
         engine.validate(request)

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from flowloop.models.loading import load_component, load_tokenizer, read_model_index
 from flowloop.models.tiny.denoiser import TinyDiT
 from flowloop.models.tiny.text_encoder import TinyTextEncoder
-from flowloop.models.tiny.tokenizer import save_tokenizer, unknown_words
+from flowloop.models.prompt_ids import unknown_words
+from flowloop.models.tiny.tokenizer import save_tokenizer
 
 PIPELINE_CLASS = "FlowloopTinyPipeline"
 

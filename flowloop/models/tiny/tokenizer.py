@@ -41,12 +41,6 @@ def build_tokenizer(words: list[str], model_max_length: int = 16):
     return tokenizer
 
 
-def unknown_words(tokenizer, text: str) -> list[str]:
-    """Words of ``text`` the tokenizer maps to its unknown token (for a clear error upstream)."""
-    encoding = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False)
-    return [text[a:b] for (a, b), tok in zip(encoding.offsets, encoding.ids) if tok == tokenizer.unk_token_id]
-
-
 def save_tokenizer(tokenizer, folder: str | Path) -> None:
     """Write tokenizer.json + tokenizer_config.json (with the chat template) to ``folder``."""
     tokenizer.save_pretrained(str(folder))
