@@ -130,7 +130,7 @@ class RewardWorker:
         except Exception as err:
             if len(samples) > 1:
                 return [(await self._score([sample]))[0] for sample in samples]
-            return [self._failed(samples[0], f"reward {self.name!r} raised {type(err).__name__}: {err}")]
+            return [self._failed(samples[0], f"{type(err).__name__}: {err}")]
         return [self._result(sample, score, info) for sample, score, info in zip(samples, scores, infos)]
 
     async def _call(self, samples: list[RewardSample]) -> tuple[list, list]:

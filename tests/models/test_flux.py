@@ -9,7 +9,7 @@ import torch
 
 from flowloop.models import load_flow_model
 from flowloop.models.flux import LORA_TARGETS, FluxFlowModel, image_ids, pack, unpack
-from tests.models.tiny_diffusers import PROMPTS, base_weights, build_flux, lora_update, rollout, unadapted_targets
+from tests.models.tiny_diffusers import PROMPTS, build_flux, check_lora_update, prompt_ids, rollout, unadapted_targets
 
 T5_TOKENS = 16  # the max_sequence_length option
 
@@ -24,17 +24,6 @@ def model(flux_dir):
     return load_flow_model(flux_dir, max_sequence_length=T5_TOKENS, guidance=3.5)
 
 
-def _ids(model, prompts):
-    """Prompts as the agent loop tokenizes them and the engine pads them: ``[B, T]`` ids and mask."""
-    ids = torch.zeros(len(prompts), model.max_sequence_length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, prompt in enumerate(prompts):
-        text = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
-        row = model.tokenizer(text, add_special_tokens=False).input_ids
-        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
-    return ids, mask
-
-
 def test_embeddings_packing_velocity_and_decode_are_the_pipelines(model, flux_dir):
     from diffusers import FluxPipeline
 
@@ -42,7 +31,7 @@ def test_embeddings_packing_velocity_and_decode_are_the_pipelines(model, flux_di
     # 1. Text: T5 sequence and CLIP pooled, from the same ids the agent loop makes.
     with torch.no_grad():
         expected, pooled, text_ids = pipe.encode_prompt(PROMPTS, None, max_sequence_length=T5_TOKENS)
-    ours = model.encode_prompt(*_ids(model, PROMPTS))
+    ours = model.encode_prompt(*prompt_ids(model, PROMPTS))
     assert isinstance(model, FluxFlowModel) and ours["prompt_embeds"].shape == (2, T5_TOKENS, 32)
     torch.testing.assert_close(ours["prompt_embeds"], expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(ours["pooled_prompt_embeds"], pooled, rtol=0, atol=1e-5)
@@ -88,22 +77,8 @@ def test_rollout_replay_and_a_lora_update(model):
     assert batch["responses"].dtype == torch.float32 and 0 <= batch["responses"].min() <= batch["responses"].max() <= 1
     assert torch.isfinite(batch["rollout_log_probs"]).all()
 
-    # 2. One LoRA update: its first replay reproduces the rollout's log-probs (same weights).
-    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
-    embeds = {k: batch[k][:1] for k in ("prompt_embeds", "pooled_prompt_embeds")}
-    with torch.no_grad():
-        before = model.velocity(x, torch.tensor([0.6]), embeds)
-    base = base_weights(model.transformer)
-    metrics = lora_update(model, batch, sampling, LORA_TARGETS)
-    assert metrics["rollout_correction/max"] <= 1e-5
-    assert metrics["actor/grad_norm"] > 0
-
-    # 3. The model's output moved; only the adapters did.
-    with torch.no_grad():
-        after = model.velocity(x, torch.tensor([0.6]), embeds)
-    assert (after - before).abs().max() > 1e-6
-    now = base_weights(model.transformer)
-    assert now.keys() == base.keys() and all(torch.equal(now[k], base[k]) for k in base)
+    # 2. One LoRA update replays the rollout exactly, then moves the model's output, adapters only.
+    check_lora_update(model, batch, sampling, LORA_TARGETS)
     assert unadapted_targets(model.transformer, LORA_TARGETS) == []  # every published target exists in FLUX
 
 
@@ -111,7 +86,7 @@ def test_bfloat16_weights_take_and_give_float32(model, flux_dir):
     half = load_flow_model(flux_dir, dtype="bfloat16", max_sequence_length=T5_TOKENS)
     assert {p.dtype for p in half.transformer.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in half.t5_encoder.parameters()} == {torch.bfloat16}
-    embeds = half.encode_prompt(*_ids(half, PROMPTS[:1]))
+    embeds = half.encode_prompt(*prompt_ids(half, PROMPTS[:1]))
     x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(3))  # float32, as the engine keeps it
     with torch.no_grad():
         v, reference = half.velocity(x, torch.tensor([0.5]), embeds), model.velocity(x, torch.tensor([0.5]), embeds)
@@ -121,7 +96,7 @@ def test_bfloat16_weights_take_and_give_float32(model, flux_dir):
 
 
 def test_guidance_option_and_a_model_without_guidance_embeds(model, flux_dir, tmp_path):
-    embeds = model.encode_prompt(*_ids(model, PROMPTS[:1]))
+    embeds = model.encode_prompt(*prompt_ids(model, PROMPTS[:1]))
     x, sigma = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(2)), torch.tensor([0.5])
     with torch.no_grad():
         dev = model.velocity(x, sigma, embeds)

@@ -7,16 +7,11 @@ import shutil
 import pytest
 import torch
 
-from flowloop.agent_loop import AgentLoopManager
-from flowloop.config.rollout import PipelineConfig, RewardConfig, RolloutConfig, ValKwargs
 from flowloop.config.train import ActorConfig
 from flowloop.models import load_flow_model
 from flowloop.models.qwen_image import LORA_TARGETS, QwenImageFlowModel
-from flowloop.protocol import Batch
-from flowloop.models.prompt_ids import encode_chat
-from flowloop.rollout.engine import _pad
-from flowloop.rollout.types import SamplingParams
 from flowloop.trainer.actor import Actor
+from tests.models.tiny_diffusers import check_lora_update, prompt_ids, rollout
 from tests.models.tiny_diffusers_video import LATENT_CHANNELS, PROMPTS, TEXT_DIM, save_qwen_image
 
 RES = 32  # 4 x 4 latents, 2 x 2 packed tokens
@@ -33,26 +28,9 @@ def model(folder):
     return load_flow_model(folder)
 
 
-def _ids(model, prompts):
-    """Prompts as the agent loop and engine make them: templated ids, padded to max_sequence_length."""
-    rows = [_pad(encode_chat(model.tokenizer, [{"role": "user", "content": p}]), model) for p in prompts]
-    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
-
-
 def _rollout(model, guidance_scale=1.0, negative_prompt=None, n=2):
-    config = RolloutConfig(
-        pipeline=PipelineConfig(height=RES, width=RES, num_inference_steps=STEPS, guidance_scale=guidance_scale),
-        val_kwargs=ValKwargs(pipeline={"num_inference_steps": STEPS}), reward=RewardConfig(name=None), n=n,
-    )
-    columns = {"raw_prompt": PROMPTS[:2], "uid": ["p0", "p1"]}
-    if negative_prompt is not None:
-        columns["negative_prompt"] = [negative_prompt] * 2
-    manager = AgentLoopManager.create(config, model)
-    try:
-        out = manager.generate_sequences(Batch.from_dict(non_tensors=columns, meta_info={"global_steps": 1}).repeat(n))
-    finally:
-        manager.shutdown()
-    return out, SamplingParams.from_dict(config.sampling_dict(validate=False))
+    return rollout(model, steps=STEPS, n=n, prompts=PROMPTS[:2], negative_prompt=negative_prompt,
+                   height=RES, width=RES, guidance_scale=guidance_scale)
 
 
 def test_loads_frozen_encoders_and_the_pipelines_prompt_template(model):
@@ -73,7 +51,7 @@ def test_embeddings_and_velocity_match_the_diffusers_pipeline(model, folder):
     prompts = ["a red circle", "two blue squares on a green mat"]  # different lengths: the mask matters
     with torch.no_grad():
         expected, expected_mask = pipe.encode_prompt(prompts, device="cpu")  # drops the template's 34 tokens
-        embeds = model.encode_prompt(*_ids(model, prompts))
+        embeds = model.encode_prompt(*prompt_ids(model, prompts))
         assert len(model.template_prefix_ids) == pipe.prompt_template_encode_start_idx == 34  # the tiny BPE agrees
         assert torch.equal(embeds["prompt_embeds"], expected) and torch.equal(embeds["prompt_embeds_mask"], expected_mask)
 
@@ -100,7 +78,7 @@ def test_combine_guidance_is_the_pipelines_true_cfg(model):
 def test_engine_guides_with_the_models_rule(model):
     from flowloop.rollout.engine import guided_velocity
 
-    ids, mask = _ids(model, ["a red circle", " "])
+    ids, mask = prompt_ids(model, ["a red circle", " "])
     embeds = model.encode_prompt(ids, mask)
     x = torch.randn(1, *model.latent_shape(RES, RES), generator=torch.Generator().manual_seed(3))
     sigma = torch.full((1,), 0.6)
@@ -115,7 +93,7 @@ def test_engine_guides_with_the_models_rule(model):
 def test_a_row_gets_one_velocity_whatever_prompts_share_its_batch(model):
     """CFG sends [cond; negative] rows of different prompt lengths through one call, under the mask."""
     with torch.no_grad():
-        embeds = model.encode_prompt(*_ids(model, ["a red circle", "two blue squares on a green mat", " "]))
+        embeds = model.encode_prompt(*prompt_ids(model, ["a red circle", "two blue squares on a green mat", " "]))
         x = torch.randn(3, *model.latent_shape(RES, RES), generator=torch.Generator().manual_seed(1))
         together = model.velocity(x, torch.full((3,), 0.5), embeds)
         for i in range(3):
@@ -125,7 +103,7 @@ def test_a_row_gets_one_velocity_whatever_prompts_share_its_batch(model):
 
 def test_bfloat16_weights_take_and_give_float32(folder):
     model = load_flow_model(folder, dtype="bfloat16")
-    embeds = model.encode_prompt(*_ids(model, ["a red circle"]))
+    embeds = model.encode_prompt(*prompt_ids(model, ["a red circle"]))
     assert embeds["prompt_embeds"].dtype == torch.bfloat16
     latents = torch.randn(1, *model.latent_shape(RES, RES))
     with torch.no_grad():
@@ -147,25 +125,8 @@ def test_rollout_replays_exactly_and_a_lora_update_moves_the_model(folder):
     assert out["all_latents"].dtype == torch.float32 and torch.isfinite(out["rollout_log_probs"]).all()
     assert 0 <= float(out["responses"].min()) and float(out["responses"].max()) <= 1
 
-    # 2. Replay of the recorded step with unchanged weights (LoRA B starts at 0) gives the recorded log-prob.
-    actor = Actor(model, ActorConfig(finetune="lora", lora_rank=4, lora_alpha=4, lora_target_modules=list(LORA_TARGETS),
-                                     lr=1e-2, micro_batch_size=4, mini_batch_size=4), sampling)
-    rows = {k: out[k] for k in out.keys() if k.startswith(("all_", "prompt_embeds"))}
-    with torch.no_grad():
-        replayed = actor.replay(rows, 0).log_prob
-    assert torch.allclose(replayed, out["rollout_log_probs"][:, 0], atol=1e-5, rtol=0)
-
-    # 3. One update trains the adapters only, and the velocity moves.
-    base = {k: v.clone() for k, v in model.transformer.state_dict().items() if "lora_" not in k}
-    x, sigma = out["all_latents"][:, 0], out["all_timesteps"][:, 0]
-    embeds = {k: out[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
-    with torch.no_grad():
-        before = model.velocity(x, sigma, embeds)
-    metrics = actor.update(out, torch.tensor([1.0, -1.0, -1.0, 1.0]), torch.Generator().manual_seed(0))
-    assert metrics["rollout_correction/max"] <= 1e-5 and metrics["actor/grad_norm"] > 0
-    with torch.no_grad():
-        assert not torch.allclose(model.velocity(x, sigma, embeds), before)
-    assert all(torch.equal(v, base[k]) for k, v in model.transformer.state_dict().items() if k in base)
+    # 2. One LoRA update replays the rollout exactly, then moves the velocity, adapters only.
+    check_lora_update(model, out, sampling, LORA_TARGETS)
 
 
 def test_true_cfg_with_a_negative_prompt(model):
@@ -191,6 +152,6 @@ def test_bad_inputs_name_what_is_wrong(model, folder, tmp_path):
     (broken / "vae" / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"vae/config.json is missing"):
         load_flow_model(broken)
-    ids, mask = _ids(model, ["a red circle"])
+    ids, mask = prompt_ids(model, ["a red circle"])
     with pytest.raises(ValueError, match="prompt template"):
         model.encode_prompt(ids[:, 5:], mask[:, 5:])  # ids that skipped the template

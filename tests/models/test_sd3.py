@@ -13,7 +13,7 @@ from flowloop.models import load_flow_model
 from flowloop.models.sd3 import LORA_TARGETS, SD3FlowModel
 from flowloop.rollout.types import SamplingParams
 from flowloop.trainer.actor import Actor
-from tests.models.tiny_diffusers import PROMPTS, base_weights, build_sd3, lora_update, rollout, unadapted_targets
+from tests.models.tiny_diffusers import PROMPTS, build_sd3, check_lora_update, prompt_ids, rollout, unadapted_targets
 
 T5_TOKENS = 16  # the max_sequence_length option: prompt embeddings are 77 CLIP + 16 T5 tokens
 
@@ -28,18 +28,6 @@ def model(sd3_dir):
     return load_flow_model(sd3_dir, max_sequence_length=T5_TOKENS)
 
 
-def _ids(model, prompts):
-    """Prompts as the agent loop tokenizes them and the engine pads them: ``[B, L]`` ids and mask."""
-    length = model.max_sequence_length
-    ids = torch.zeros(len(prompts), length, dtype=torch.long)
-    mask = torch.zeros(len(prompts), length, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        text = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
-        row = model.tokenizer(text, add_special_tokens=False).input_ids
-        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
-    return ids, mask
-
-
 def test_embeddings_are_the_pipelines(model, sd3_dir):
     from diffusers import StableDiffusion3Pipeline
 
@@ -47,8 +35,8 @@ def test_embeddings_are_the_pipelines(model, sd3_dir):
     with torch.no_grad():
         expected, negative, pooled, negative_pooled = pipe.encode_prompt(
             PROMPTS, None, None, do_classifier_free_guidance=True, max_sequence_length=T5_TOKENS)
-    ours = model.encode_prompt(*_ids(model, PROMPTS))
-    empty = model.encode_prompt(*_ids(model, ["", ""]))  # the engine's unconditional prompt
+    ours = model.encode_prompt(*prompt_ids(model, PROMPTS))
+    empty = model.encode_prompt(*prompt_ids(model, ["", ""]))  # the engine's unconditional prompt
     assert isinstance(model, SD3FlowModel) and model.max_sequence_length == 77 + T5_TOKENS
     assert ours["prompt_embeds"].shape == (2, 77 + T5_TOKENS, 32) and ours["pooled_prompt_embeds"].shape == (2, 32)
     torch.testing.assert_close(ours["prompt_embeds"], expected, rtol=0, atol=1e-5)
@@ -75,22 +63,8 @@ def test_rollout_replay_and_a_lora_update(model):
     assert batch["responses"].dtype == torch.float32 and 0 <= batch["responses"].min() <= batch["responses"].max() <= 1
     assert torch.isfinite(batch["rollout_log_probs"]).all()
 
-    # 2. One LoRA update: its first replay reproduces the rollout's log-probs (same weights).
-    x = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
-    embeds = {k: batch[k][:1] for k in ("prompt_embeds", "pooled_prompt_embeds")}
-    with torch.no_grad():
-        before = model.velocity(x, torch.tensor([0.6]), embeds)
-    base = base_weights(model.transformer)
-    metrics = lora_update(model, batch, sampling, LORA_TARGETS)
-    assert metrics["rollout_correction/max"] <= 1e-5
-    assert metrics["actor/grad_norm"] > 0
-
-    # 3. The model's output moved; only the adapters did.
-    with torch.no_grad():
-        after = model.velocity(x, torch.tensor([0.6]), embeds)
-    assert (after - before).abs().max() > 1e-6
-    now = base_weights(model.transformer)
-    assert now.keys() == base.keys() and all(torch.equal(now[k], base[k]) for k in base)
+    # 2. One LoRA update replays the rollout exactly, then moves the model's output, adapters only.
+    check_lora_update(model, batch, sampling, LORA_TARGETS)
     assert unadapted_targets(model.transformer, LORA_TARGETS) == []  # every published target exists in SD3.5
     assert not any(p.requires_grad for p in model.t5_encoder.parameters())
 
@@ -103,7 +77,7 @@ def test_bad_resolution_and_too_long_prompt_are_errors(model):
         model.latent_shape(32, 34)
     with pytest.raises(ValueError, match="num_frames"):
         model.latent_shape(32, 32, num_frames=5)
-    ids, mask = _ids(model, ["a red cat on the mat with the dog and a cat"])  # 20 T5 tokens > 16
+    ids, mask = prompt_ids(model, ["a red cat on the mat with the dog and a cat"])  # 20 T5 tokens > 16
     with pytest.raises(ValueError, match="more than max_sequence_length=16"):
         model.encode_prompt(ids, mask)
 

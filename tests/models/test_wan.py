@@ -8,16 +8,12 @@ import shutil
 import pytest
 import torch
 
-from flowloop.agent_loop import AgentLoopManager
-from flowloop.config.rollout import PipelineConfig, RewardConfig, RolloutConfig, ValKwargs
-from flowloop.config.train import ActorConfig
 from flowloop.models import load_flow_model
 from flowloop.models.wan import LORA_TARGETS, WanFlowModel
-from flowloop.protocol import Batch
 from flowloop.models.prompt_ids import encode_chat
-from flowloop.rollout.engine import RolloutEngine, _pad
+from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.types import RolloutRequest, SamplingParams
-from flowloop.trainer.actor import Actor
+from tests.models.tiny_diffusers import check_lora_update, prompt_ids, rollout
 from tests.models.tiny_diffusers_video import LATENT_CHANNELS, PROMPTS, TEXT_DIM, save_wan
 
 RES, FRAMES = 32, 5  # latents [4, 2, 4, 4]: 8 video tokens
@@ -32,11 +28,6 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(folder):
     return load_flow_model(folder)
-
-
-def _ids(model, prompts):
-    rows = [_pad(encode_chat(model.tokenizer, [{"role": "user", "content": p}]), model) for p in prompts]
-    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 def test_loads_with_t5_chat_template_and_video_latents(model):
@@ -56,7 +47,7 @@ def test_embeddings_velocity_and_decode_match_the_diffusers_pipeline(model, fold
     prompts = ["a red circle", "two blue squares on a green mat"]
     with torch.no_grad():
         expected = pipe._get_t5_prompt_embeds(prompts, max_sequence_length=512, device="cpu")  # zeros after each prompt
-        embeds = model.encode_prompt(*_ids(model, prompts))
+        embeds = model.encode_prompt(*prompt_ids(model, prompts))
         assert embeds["prompt_embeds"].shape == (2, 512, TEXT_DIM)
         assert torch.allclose(embeds["prompt_embeds"], expected, atol=1e-5)
 
@@ -81,7 +72,7 @@ def test_embeddings_velocity_and_decode_match_the_diffusers_pipeline(model, fold
 def test_bfloat16_weights_take_and_give_float32(folder):
     model = load_flow_model(folder, dtype="bfloat16")  # the norms diffusers keeps in float32 stay so
     assert model.dtype == torch.bfloat16
-    embeds = model.encode_prompt(*_ids(model, ["a red circle"]))
+    embeds = model.encode_prompt(*prompt_ids(model, ["a red circle"]))
     latents = torch.randn(1, *model.latent_shape(RES, RES, FRAMES))
     with torch.no_grad():
         assert model.velocity(latents, torch.full((1,), 0.5), embeds).dtype == torch.float32
@@ -90,16 +81,7 @@ def test_bfloat16_weights_take_and_give_float32(folder):
 
 def test_rollout_replays_exactly_and_a_lora_update_moves_the_model(folder):
     model = load_flow_model(folder)  # its own copy: LoRA changes it
-    config = RolloutConfig(
-        pipeline=PipelineConfig(height=RES, width=RES, num_frames=FRAMES, num_inference_steps=STEPS),
-        val_kwargs=ValKwargs(pipeline={"num_inference_steps": STEPS}), reward=RewardConfig(name=None), n=2,
-    )
-    manager = AgentLoopManager.create(config, model)
-    try:
-        batch = Batch.from_dict(non_tensors={"raw_prompt": PROMPTS[:2], "uid": ["p0", "p1"]}, meta_info={"global_steps": 1})
-        out = manager.generate_sequences(batch.repeat(2))
-    finally:
-        manager.shutdown()
+    out, sampling = rollout(model, steps=STEPS, prompts=PROMPTS[:2], height=RES, width=RES, num_frames=FRAMES)
 
     # 1. The contract's shapes: videos [bsz, T, C, H, W], latents [bsz, W+1, C, F, h, w].
     shape = model.latent_shape(RES, RES, FRAMES)
@@ -109,25 +91,8 @@ def test_rollout_replays_exactly_and_a_lora_update_moves_the_model(folder):
     assert out["all_latents"].dtype == torch.float32 and torch.isfinite(out["rollout_log_probs"]).all()
     assert 0 <= float(out["responses"].min()) and float(out["responses"].max()) <= 1
 
-    # 2. Replay with unchanged weights (LoRA B starts at 0) gives the recorded log-prob.
-    sampling = SamplingParams.from_dict(config.sampling_dict(validate=False))
-    actor = Actor(model, ActorConfig(finetune="lora", lora_rank=4, lora_alpha=4, lora_target_modules=list(LORA_TARGETS),
-                                     lr=1e-2, micro_batch_size=4, mini_batch_size=4), sampling)
-    rows = {k: out[k] for k in out.keys() if k.startswith(("all_", "prompt_embeds"))}
-    with torch.no_grad():
-        assert torch.allclose(actor.replay(rows, 0).log_prob, out["rollout_log_probs"][:, 0], atol=1e-5, rtol=0)
-
-    # 3. One update trains the adapters only, and the velocity moves.
-    base = {k: v.clone() for k, v in model.transformer.state_dict().items() if "lora_" not in k}
-    x, sigma = out["all_latents"][:, 0], out["all_timesteps"][:, 0]
-    embeds = {k: out[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
-    with torch.no_grad():
-        before = model.velocity(x, sigma, embeds)
-    metrics = actor.update(out, torch.tensor([1.0, -1.0, -1.0, 1.0]), torch.Generator().manual_seed(0))
-    assert metrics["rollout_correction/max"] <= 1e-5 and metrics["actor/grad_norm"] > 0
-    with torch.no_grad():
-        assert not torch.allclose(model.velocity(x, sigma, embeds), before)
-    assert all(torch.equal(v, base[k]) for k, v in model.transformer.state_dict().items() if k in base)
+    # 2. One LoRA update replays the rollout exactly, then moves the velocity, adapters only.
+    check_lora_update(model, out, sampling, LORA_TARGETS)
 
 
 def test_bad_inputs_name_what_is_wrong(model, folder, tmp_path):

@@ -194,26 +194,58 @@ def build_flux(root: Path, guidance_embeds: bool = True) -> Path:
 PROMPTS = ["a red cat", "the dog on a mat"]
 
 
-def rollout(model, steps: int = 2, n: int = 2, **pipeline):
-    """``len(PROMPTS) * n`` rows through `AgentLoopManager` (local mode, no reward) at 32x32 pixels,
-    with log-probs; returns ``(batch, SamplingParams)`` the actor must replay with."""
+def prompt_ids(model, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as the agent loop tokenizes them and the engine pads them: ids and mask ``[B, L]``."""
+    from flowloop.models.prompt_ids import encode_chat
+    from flowloop.rollout.engine import _pad
+
+    rows = [_pad(encode_chat(model.tokenizer, [{"role": "user", "content": p}]), model) for p in prompts]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+def rollout(model, steps: int = 2, n: int = 2, prompts: list[str] = PROMPTS, negative_prompt: str | None = None,
+            **pipeline):
+    """``len(prompts) * n`` rows through `AgentLoopManager` (local mode, no reward), 32x32 pixels unless
+    ``pipeline`` says otherwise, with log-probs; returns ``(batch, SamplingParams)`` the actor must replay with."""
     from flowloop.agent_loop import AgentLoopManager
     from flowloop.config.rollout import PipelineConfig, RewardConfig, RolloutConfig, ValKwargs
     from flowloop.protocol import Batch
     from flowloop.rollout.types import SamplingParams
 
+    pipeline = {"height": 32, "width": 32, **pipeline}
     config = RolloutConfig(
-        pipeline=PipelineConfig(height=32, width=32, num_inference_steps=steps, **pipeline),
+        pipeline=PipelineConfig(num_inference_steps=steps, **pipeline),
         val_kwargs=ValKwargs(pipeline={"num_inference_steps": steps}), reward=RewardConfig(name=None),
     )
-    prompts = Batch.from_dict(non_tensors={"raw_prompt": PROMPTS, "uid": [f"p{i}" for i in range(len(PROMPTS))]},
-                              meta_info={"global_steps": 1}).repeat(n)
+    columns = {"raw_prompt": list(prompts), "uid": [f"p{i}" for i in range(len(prompts))]}
+    if negative_prompt is not None:
+        columns["negative_prompt"] = [negative_prompt] * len(prompts)
     manager = AgentLoopManager.create(config, model)
     try:
-        batch = manager.generate_sequences(prompts)
+        batch = manager.generate_sequences(Batch.from_dict(non_tensors=columns, meta_info={"global_steps": 1}).repeat(n))
     finally:
         manager.shutdown()
     return batch, SamplingParams.from_dict(config.sampling_dict(validate=False))
+
+
+def check_lora_update(model, batch, sampling, targets: list[str]) -> None:
+    """One LoRA update after ``rollout``: it replays the recorded log-probs exactly (weights still those
+    of the rollout), has a gradient, moves the model's velocity and leaves the base weights untouched."""
+    from flowloop.models.base import is_embedding_key
+
+    x, sigma = batch["all_latents"][:, 0], batch["all_timesteps"][:, 0]
+    embeds = {k: batch[k] for k in batch.keys() if is_embedding_key(k) and not k.startswith("negative_")}
+    with torch.no_grad():
+        before = model.velocity(x, sigma, embeds)
+    base = base_weights(model.transformer)
+    metrics = lora_update(model, batch, sampling, targets)
+    assert metrics["rollout_correction/max"] <= 1e-5
+    assert metrics["actor/grad_norm"] > 0
+    with torch.no_grad():
+        after = model.velocity(x, sigma, embeds)
+    assert (after - before).abs().max() > 1e-6
+    now = base_weights(model.transformer)
+    assert now.keys() == base.keys() and all(torch.equal(now[k], base[k]) for k in base)
 
 
 def lora_update(model, batch, sampling, targets: list[str], rank: int = 4) -> dict[str, float]:

@@ -27,6 +27,7 @@ from flowloop.reward.clip_scorers import (
     make_clip_score,
     make_pickscore,
 )
+from tests.reward.test_worker import score_all
 
 WORDS = "a photo of red blue green circle square triangle cat dog on the grass".split()
 PROMPTS = ["a photo of a red circle", "a blue square on the grass", "a cat", "a dog on a green triangle"]
@@ -170,14 +171,8 @@ def test_reward_worker_scores_with_the_pickscore_kwargs(clip_dir):
     images = _images(32, 32)
     expected, _ = make_pickscore(clip_dir)(images, PROMPTS, [{}] * 4)
 
-    async def score_all():
-        worker = RewardWorker("pickscore", max_batch_size=4, max_wait_ms=50, kwargs={"model_path": str(clip_dir)})
-        try:
-            return await asyncio.gather(*(worker.compute_score(RewardSample(i, p)) for i, p in zip(images, PROMPTS)))
-        finally:
-            await worker.stop()
-
-    results = asyncio.run(score_all())
+    worker = RewardWorker("pickscore", max_batch_size=4, max_wait_ms=50, kwargs={"model_path": str(clip_dir)})
+    results = asyncio.run(score_all(worker, [RewardSample(i, p) for i, p in zip(images, PROMPTS)]))
     assert [r.score for r in results] == pytest.approx(expected, abs=1e-5)
     assert all(r.extra_info["reward_error"] is None and "cosine" in r.extra_info for r in results)
 

@@ -12,6 +12,7 @@ from flowloop.reward import RewardSample, RewardWorker, build_reward, register_r
 from flowloop.reward.compression import jpeg_compressibility
 from flowloop.reward.shapes import shapes_reward
 from flowloop.tasks import shapes
+from tests.reward.test_worker import score_all
 
 
 @register_reward("test_combine_value")
@@ -81,13 +82,7 @@ def test_a_failing_part_fails_only_its_rows_and_names_the_part():
                           kwargs={"components": {"jpeg_compressibility": 1.0, "flaky": {"weight": 1.0, "reward": "test_combine_fragile"}}})
     samples = [RewardSample(torch.full((3, 8, 8), 0.5), prompt) for prompt in ("fine", "boom", "nan", "fine")]
 
-    async def score_all():
-        try:
-            return await asyncio.gather(*(worker.compute_score(s) for s in samples))
-        finally:
-            await worker.stop()
-
-    results = asyncio.run(score_all())
+    results = asyncio.run(score_all(worker, samples))
     assert [r.score is None for r in results] == [False, True, True, False]
     assert "component 'flaky' (reward 'test_combine_fragile') raised RuntimeError: cannot score boom" in results[1].extra_info["reward_error"]
     assert "component 'flaky' (reward 'test_combine_fragile') returned a non-finite score nan" in results[2].extra_info["reward_error"]

@@ -9,6 +9,7 @@ import torch
 
 from flowloop.reward import RewardSample, RewardWorker, build_reward, get_reward, register_reward, registered_rewards
 from flowloop.reward.shapes import shapes_reward
+from tests.reward.test_worker import score_all
 
 
 def test_shapes_is_registered():
@@ -122,15 +123,7 @@ def test_nan_and_wrong_counts_are_errors_naming_the_reward():
     samples = [RewardSample(torch.zeros(3, 4, 4), "a"), RewardSample(torch.zeros(3, 4, 4), "b")]
     for name, message in (("tests.reward.test_registry:nan_reward", "returned a non-finite score nan"),
                           ("tests.reward.test_registry:short_reward", "returned 0 scores and 1 extra_info for 1 samples")):
-        worker = RewardWorker(name, max_wait_ms=20)
-
-        async def score_all():
-            try:
-                return await asyncio.gather(*(worker.compute_score(s) for s in samples))
-            finally:
-                await worker.stop()
-
-        results = asyncio.run(score_all())
+        results = asyncio.run(score_all(RewardWorker(name, max_wait_ms=20), samples))
         assert [r.score for r in results] == [None, None]
         assert all(f"reward {name!r} {message}" in r.extra_info["reward_error"] for r in results)
 

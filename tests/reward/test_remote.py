@@ -22,6 +22,7 @@ from flowloop.reward import RewardSample, RewardWorker, build_reward, register_r
 from flowloop.reward.remote import decode_request, encode_request
 from flowloop.reward.serve import RewardServer, parse_kwargs
 from flowloop.tasks import shapes
+from tests.reward.test_worker import score_all
 
 SEEN_BATCHES: list[int] = []
 RELEASE = threading.Event()
@@ -53,15 +54,7 @@ def serving(name: str, **options):
 
 def score(name: str, samples: list[RewardSample], **kwargs):
     """Score samples through a `RewardWorker`, as the agent loop does."""
-    worker = RewardWorker(name, max_batch_size=16, max_wait_ms=20, kwargs=kwargs)
-
-    async def score_all():
-        try:
-            return await asyncio.gather(*(worker.compute_score(s) for s in samples))
-        finally:
-            await worker.stop()
-
-    return asyncio.run(score_all())
+    return asyncio.run(score_all(RewardWorker(name, max_batch_size=16, max_wait_ms=20, kwargs=kwargs), samples))
 
 
 def rendered_samples(count: int = 6) -> list[RewardSample]:
