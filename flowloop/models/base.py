@@ -48,7 +48,12 @@ class FlowModel(Protocol):
         """Latents -> images ``[B, C, H, W]`` (or video ``[B, T, C, H, W]``), float in [0, 1]."""
 
     def trainable_module(self) -> torch.nn.Module:
-        """The module RL updates (the denoiser); the text encoder and VAE stay frozen."""
+        """The module RL updates (the denoiser); the text encoder and VAE stay frozen.
+
+        Optional: ``combine_guidance(v_cond, v_uncond, guidance_scale)``, a family's own CFG rule
+        (Qwen-Image rescales the guided velocity); `flowloop.rollout.engine.guided_velocity` uses
+        it in place of ``apply_cfg`` when present, in the rollout and the replay alike.
+        """
 
 
 def is_embedding_key(key: str) -> bool:

@@ -23,6 +23,7 @@ import torch
 from flowloop.models.loading import load_component, load_tokenizer, read_model_index, require_component_files
 
 __all__ = [
+    "CLIP_TOKENS",
     "USER_CONTENT_TEMPLATE",
     "check_pipeline_folder",
     "check_resolution",
@@ -32,12 +33,15 @@ __all__ = [
     "latents_to_vae",
     "load_frozen",
     "load_prompt_tokenizer",
-    "module_dtype",
     "tokenize_like_pipeline",
     "to_unit_images",
     "vae_scale_factor",
     "vae_to_latents",
+    "valid_tokens_first",
 ]
+
+CLIP_TOKENS = 77
+"""CLIP's context length: SD3's and FLUX's pipelines pad and truncate their CLIP prompts to it."""
 
 USER_CONTENT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}{{ message['content'] }}{% endif %}{% endfor %}"
@@ -85,14 +89,6 @@ def frozen(module: torch.nn.Module) -> torch.nn.Module:
 def load_frozen(root: str | Path, subfolder: str, cls, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
     """Load component ``root/subfolder`` as ``cls`` in ``dtype`` on ``device``, frozen (see `frozen`)."""
     return frozen(load_component(root, subfolder, cls, dtype).to(device))
-
-
-def module_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype of ``module``'s first floating-point parameter (its compute dtype)."""
-    for param in module.parameters():
-        if param.is_floating_point():
-            return param.dtype
-    return torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,3 +185,15 @@ def vae_to_latents(encoded: torch.Tensor, scaling_factor, shift_factor=None) -> 
 def to_unit_images(decoded: torch.Tensor) -> torch.Tensor:
     """VAE output in [-1, 1] -> float32 images in [0, 1], as ``VaeImageProcessor.postprocess`` maps them."""
     return (decoded.float() / 2 + 0.5).clamp(0.0, 1.0)
+
+
+def valid_tokens_first(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder each row so its valid tokens come first (in order), cut to the longest row.
+
+    A text encoder then sees each prompt from position 0 with padding after it, whatever side the
+    ids were padded on, and no column that is padding in every row (the engine pads ids to
+    ``max_sequence_length``; the pipelines pad to the longest prompt). ``[B, L]`` -> ``[B, l]``.
+    """
+    order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)  # valid positions first
+    length = int(mask.sum(1).max())
+    return ids.gather(1, order)[:, :length], mask.gather(1, order)[:, :length]

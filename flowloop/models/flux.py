@@ -37,13 +37,13 @@ from pathlib import Path
 import torch
 
 from flowloop.models.diffusers_common import (
+    CLIP_TOKENS,
     check_pipeline_folder,
     check_resolution,
     decode_prompts,
     latents_to_vae,
     load_frozen,
     load_prompt_tokenizer,
-    module_dtype,
     to_unit_images,
     tokenize_like_pipeline,
     vae_scale_factor,
@@ -51,9 +51,6 @@ from flowloop.models.diffusers_common import (
 from flowloop.models.loading import load_component, load_tokenizer
 
 PIPELINE_CLASS = "FluxPipeline"
-
-CLIP_TOKENS = 77
-"""CLIP's context length: the pipeline pads and truncates the CLIP prompt to it."""
 
 LORA_TARGETS = [
     "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
@@ -145,7 +142,7 @@ class FluxFlowModel:
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
         """Latents ``[B, 4C, h, w]`` -> tokens ``[B, h*w, 4C]`` -> transformer at ``timestep = sigma`` -> back; float32 out."""
-        dtype = module_dtype(self.transformer)
+        dtype = self.transformer.dtype
         batch, channels, h, w = latents.shape
         tokens = latents.flatten(2).transpose(1, 2).to(dtype)  # [B, h*w, 4C]
         prompt_embeds = embeds["prompt_embeds"].to(dtype)  # [B, T, D]
@@ -170,7 +167,7 @@ class FluxFlowModel:
         """Packed latents ``[B, 4C, h, w]`` -> images ``[B, 3, 2fh, 2fw]`` float32 in [0, 1]."""
         config = self.vae.config
         latents = latents_to_vae(unpack(latents), config.scaling_factor, config.shift_factor)  # [B, C, 2h, 2w]
-        return to_unit_images(self.vae.decode(latents.to(module_dtype(self.vae)), return_dict=False)[0])
+        return to_unit_images(self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0])
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer

@@ -35,6 +35,7 @@ from flowloop.models.diffusers_common import (
     frozen,
     load_frozen,
     to_unit_images,
+    valid_tokens_first,
 )
 from flowloop.models.loading import load_component
 
@@ -212,19 +213,6 @@ def load_qwen_tokenizer(root: str | Path, subfolder: str = "tokenizer"):
         raise ValueError(f"{folder} gave a slow tokenizer; flowloop needs a fast (tokenizers) one.")
     tokenizer.chat_template = PROMPT_TEMPLATE
     return tokenizer
-
-
-def valid_tokens_first(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reorder each row so its valid tokens come first (in order), cut to the longest row.
-
-    A text encoder then sees each prompt from position 0 with padding after it, whatever side the
-    ids were padded on, and no column that is padding in every row (the engine pads ids to
-    ``max_sequence_length``; the pipelines pad to the longest prompt). ``[B, L]`` -> ``[B, l]``.
-    Shared with `flowloop.models.wan`.
-    """
-    order = torch.argsort((mask == 0).to(torch.int8), dim=1, stable=True)  # valid positions first
-    length = int(mask.sum(1).max())
-    return ids.gather(1, order)[:, :length], mask.gather(1, order)[:, :length]
 
 
 def _pack(latents: torch.Tensor, patch: int) -> torch.Tensor:

@@ -31,13 +31,13 @@ from pathlib import Path
 import torch
 
 from flowloop.models.diffusers_common import (
+    CLIP_TOKENS,
     check_pipeline_folder,
     check_resolution,
     decode_prompts,
     latents_to_vae,
     load_frozen,
     load_prompt_tokenizer,
-    module_dtype,
     to_unit_images,
     tokenize_like_pipeline,
     vae_scale_factor,
@@ -45,9 +45,6 @@ from flowloop.models.diffusers_common import (
 from flowloop.models.loading import load_component, load_tokenizer
 
 PIPELINE_CLASS = "StableDiffusion3Pipeline"
-
-CLIP_TOKENS = 77
-"""CLIP's context length: the pipeline pads and truncates both CLIP prompts to it."""
 
 LORA_TARGETS = [
     "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -149,7 +146,7 @@ class SD3FlowModel:
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
         """MMDiT at ``timestep = sigma * 1000``, in the weights' dtype; float32 out."""
-        dtype = module_dtype(self.transformer)
+        dtype = self.transformer.dtype
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])  # [B]
         out = self.transformer(
             hidden_states=latents.to(dtype),
@@ -165,7 +162,7 @@ class SD3FlowModel:
         """Latents ``[B, C, h, w]`` -> images ``[B, 3, h * f, w * f]`` float32 in [0, 1]."""
         config = self.vae.config
         latents = latents_to_vae(latents, config.scaling_factor, config.shift_factor)
-        return to_unit_images(self.vae.decode(latents.to(module_dtype(self.vae)), return_dict=False)[0])
+        return to_unit_images(self.vae.decode(latents.to(self.vae.dtype), return_dict=False)[0])
 
     def trainable_module(self) -> torch.nn.Module:
         return self.transformer

@@ -34,9 +34,9 @@ from flowloop.models.diffusers_common import (
     load_frozen,
     load_prompt_tokenizer,
     to_unit_images,
+    valid_tokens_first,
 )
 from flowloop.models.loading import load_component
-from flowloop.models.qwen_image import valid_tokens_first
 
 PIPELINE_CLASS = "WanPipeline"
 
