@@ -205,10 +205,8 @@ class FlowGRPORecipe:
             pool = shapes.split_prompts(self.cfg.data.val_split, category)
             prompts += [pool[(i // GRID_COLUMNS) % len(pool)] for i in range(k)]  # blocks of GRID_COLUMNS seeds
             categories += [category] * k
-        batch = self._prompt_batch([{"raw_prompt": p} for p in prompts], [f"val-{p}" for p in prompts], {"validate": True})
         start = time.perf_counter()
-        with self.actor.ema_weights():
-            out = self.manager.generate_sequences(batch)
+        out = self._generate_for_validation([{"raw_prompt": p} for p in prompts], [f"val-{p}" for p in prompts])
         # The task's own verifier measures accuracy, whatever reward the run trains on.
         images = to_uint8_images(out["responses"])
         result, _ = score_images(images, prompts, categories)
@@ -221,12 +219,16 @@ class FlowGRPORecipe:
         self.log(f"step {step}: held-out accuracy {result.accuracy:.1%} (score {result.score:.3f}); grid {grid}")
         return metrics
 
+    def _generate_for_validation(self, rows: list[dict], uids: list[str]) -> Batch:
+        """Sample validation rows with ``val_kwargs``, under the EMA weights when there are any."""
+        batch = self._prompt_batch(rows, uids, {"validate": True})
+        with self.actor.ema_weights():
+            return self.manager.generate_sequences(batch)
+
     def _validate_with_reward(self, step: int) -> dict[str, float]:
         rows = self.val_rows
-        batch = self._prompt_batch(rows, [f"val-{i}" for i in range(len(rows))], {"validate": True})
         start = time.perf_counter()
-        with self.actor.ema_weights():
-            out = self.manager.generate_sequences(batch)
+        out = self._generate_for_validation(rows, [f"val-{i}" for i in range(len(rows))])
         scores = out["rm_scores"][:, 0]  # [V]
         responses = out["responses"]  # [V, C, H, W] or video [V, T, C, H, W]: the grid shows first frames
         images = to_uint8_images(responses[:, 0] if responses.ndim == 5 else responses)
