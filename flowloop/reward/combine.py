@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flowloop.reward.registry import RewardFn, accepts, build_reward, get_reward, is_async, register_reward
+from flowloop.reward.registry import RewardFn, build_reward, is_async, register_reward
 
 SPEC_KEYS = ("weight", "reward", "kwargs")
 
@@ -87,9 +87,7 @@ def _build_part(label: str, spec: Any, device: str | None) -> Part:
         weight, reward, kwargs = spec, label, {}
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
         raise ValueError(f"combined component {label!r}: weight must be a finite number, got {weight!r}")
-    if device is not None and "device" not in kwargs and accepts(get_reward(reward), "device"):
-        kwargs["device"] = device
-    return Part(label, reward, float(weight), build_reward(reward, kwargs))
+    return Part(label, reward, float(weight), build_reward(reward, kwargs, default_device=device))
 
 
 async def _run(part: Part, images, prompts: list[str], metadata: list[dict]) -> tuple[list[float], list[dict]]:

@@ -73,10 +73,15 @@ def get_reward(name: str) -> RewardFn:
     return _REWARDS[name]
 
 
-def build_reward(name: str, kwargs: Mapping[str, Any] | None = None) -> RewardFn:
-    """The batched function of reward ``name`` with ``kwargs`` applied (see the module docstring)."""
+def build_reward(name: str, kwargs: Mapping[str, Any] | None = None, default_device: str | None = None) -> RewardFn:
+    """The batched function of reward ``name`` with ``kwargs`` applied (see the module docstring).
+
+    ``default_device``: given to a reward that takes ``device`` when ``kwargs`` sets none (how
+    ``combined`` and ``per_frame`` place the rewards they wrap)."""
     target = get_reward(name)
     kwargs = dict(kwargs or {})
+    if default_device is not None and "device" not in kwargs and accepts(target, "device"):
+        kwargs["device"] = default_device
     if is_factory(target):
         _check_kwargs(name, target, kwargs, skip=0)
         fn = target(**kwargs)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flowloop.reward.registry import accepts, build_reward, get_reward, is_async, register_reward
+from flowloop.reward.registry import build_reward, is_async, register_reward
 
 AGGREGATES: dict[str, Callable[[list[float]], float]] = {
     "mean": lambda scores: sum(scores) / len(scores),
@@ -48,10 +48,7 @@ def per_frame(
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
     if isinstance(reward, str):
-        kwargs = dict(reward_kwargs or {})
-        if device is not None and "device" not in kwargs and accepts(get_reward(reward), "device"):
-            kwargs["device"] = device
-        fn = build_reward(reward, kwargs)
+        fn = build_reward(reward, reward_kwargs, default_device=device)
     elif reward_kwargs or device is not None:
         raise ValueError("reward_kwargs and device apply to a reward given by name; bind them into the function instead")
     else:
