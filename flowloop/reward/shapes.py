@@ -14,26 +14,42 @@ from flowloop.reward.registry import register_reward
 from flowloop.tasks import shapes
 
 
+def blend(fraction_met: float, correct: bool, correct_weight: float) -> float:
+    """``(1 - w) * fraction_met + w * correct``: w = 0 is dense partial credit, w = 1 the binary
+    GenEval-style accuracy. Partial credit lets a group that never gets a prompt fully right still
+    learn; the binary term ranks a fully right picture above one that misses a single constraint
+    by more than 1/constraints."""
+    if not 0.0 <= correct_weight <= 1.0:
+        raise ValueError(f"reward.kwargs.correct_weight must be in [0, 1], got {correct_weight}")
+    return (1.0 - correct_weight) * fraction_met + correct_weight * float(correct)
+
+
 @register_reward("shapes")
-def shapes_reward(images, prompts: list[str], metadata: list[dict]) -> tuple[list[float], list[dict]]:
-    """`shapes.verify` per image: ``score`` is the reward; ``correct`` (every constraint met, the
+def shapes_reward(
+    images, prompts: list[str], metadata: list[dict], correct_weight: float = 0.0
+) -> tuple[list[float], list[dict]]:
+    """`shapes.verify` per image, blended by `blend`; ``correct`` (every constraint met, the
     GenEval-style accuracy) and ``constraints`` (``{constraint: met}``) are the extra info."""
     verdicts = shapes.verify_batch(images, prompts)
     extra = [{"correct": v.correct, "constraints": v.details["constraints"]} for v in verdicts]
-    return [v.score for v in verdicts], extra
+    return [blend(v.score, v.correct, correct_weight) for v in verdicts], extra
 
 
 @register_reward("shapes_exact")
-def shapes_exact_reward(images, prompts: list[str], metadata: list[dict]) -> tuple[list[float], list[dict]]:
-    """``shapes`` with one more constraint, "no objects beyond those asked for": the score is
-    (constraints met + [object count == requested count]) / (constraints + 1)."""
+def shapes_exact_reward(
+    images, prompts: list[str], metadata: list[dict], correct_weight: float = 0.0
+) -> tuple[list[float], list[dict]]:
+    """``shapes`` with one more constraint, "no objects beyond those asked for": the fraction is
+    (constraints met + [object count == requested count]) / (constraints + 1), and "correct"
+    also needs the exact count; both blended by `blend`."""
     verdicts = shapes.verify_batch(images, prompts)
     scores, extra = [], []
     for verdict, prompt in zip(verdicts, prompts):
         requested = sum(group.count for group in shapes.parse_prompt(prompt).groups)
         seen = len(verdict.details["objects"])
         constraints = verdict.details["constraints"]
-        met = sum(constraints.values()) + (seen == requested)
-        scores.append(met / (len(constraints) + 1))
+        exact = seen == requested
+        met = sum(constraints.values()) + exact
+        scores.append(blend(met / (len(constraints) + 1), verdict.correct and exact, correct_weight))
         extra.append({"correct": verdict.correct, "constraints": constraints, "surplus_objects": seen - requested})
     return scores, extra
