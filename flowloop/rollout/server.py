@@ -7,8 +7,9 @@ Four parts, as in vLLM's engine core:
 - scheduler (one asyncio task, started lazily in the running loop on the first `generate`): take
   the group whose oldest request waited longest; run it when it holds ``max_batch_size``
   requests or its oldest request has waited ``max_wait_ms``;
-- executor: `RolloutEngine.sample` in one worker thread, so intake never stalls; one batch at a
-  time (the model is not shared between threads);
+- executor: `RolloutEngine.sample` off the event loop, so intake never stalls; one batch at a
+  time, on the process's compute thread (`flowloop.compute`: the trainer's update runs there
+  too, which keeps CPU runs from slowing down) unless the server is given its own executor;
 - output: each future gets its `DiffusionOutput`, with ``queue_time`` added to its metrics.
 
 Lifecycle: `abort(request_id)` cancels a request (its caller gets `asyncio.CancelledError`; a
@@ -22,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
+
+from flowloop.compute import compute_executor
 
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest
@@ -42,12 +45,16 @@ class _Pending:
 class RolloutServer:
     """Async dynamic batching in front of one `RolloutEngine`."""
 
-    def __init__(self, engine: RolloutEngine, max_batch_size: int = 16, max_wait_ms: float = 5.0):
+    def __init__(self, engine: RolloutEngine, max_batch_size: int = 16, max_wait_ms: float = 5.0,
+                 executor: Executor | None = None):
+        """``executor``: where batches run; None = the process's compute thread (`flowloop.compute`).
+        Give in-process replicas on different GPUs each their own to run them concurrently."""
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
         if not max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
         self.engine = engine
+        self._own_executor = executor
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -104,7 +111,8 @@ class RolloutServer:
             self._wakeup.set()
 
     async def stop(self) -> None:
-        """Finish the running batch, cancel queued requests, end the scheduler and its thread."""
+        """Finish the running batch, cancel queued requests, end the scheduler (an executor passed
+        in stays the caller's to shut down)."""
         self._stopped = True
         if self._loop is None:
             return
@@ -114,7 +122,6 @@ class RolloutServer:
             await asyncio.wait([self._batch_task])
         for pending in list(self._outstanding.values()):
             pending.future.cancel()
-        self._executor.shutdown(wait=False)
 
     def metrics(self) -> dict[str, float]:
         """Since the server started: request counts (outstanding, queued, running, completed, failed,
@@ -155,7 +162,7 @@ class RolloutServer:
         self._outstanding: dict[str, _Pending] = {}
         self._wakeup = asyncio.Event()
         self._batch_task: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
+        self._executor = self._own_executor or compute_executor()
         self._scheduler = loop.create_task(self._schedule(), name="rollout-scheduler")
 
     async def _schedule(self) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from flowloop.agent_loop import AgentLoopManager
+from flowloop.compute import run_compute
 from flowloop.config import to_yaml
 from flowloop.config.train import TrainConfig
 from flowloop.models import load_flow_model
@@ -154,7 +155,8 @@ class FlowGRPORecipe:
         # 4. Update the actor on the kept rows.
         metrics: dict[str, float] = {}
         if len(keep):
-            metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
+            # On the compute thread, where the rollout engine ran: see flowloop.compute.
+            metrics.update(run_compute(self.actor.update, out[keep.tolist()], result.advantages[keep], self.generator))
             if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()

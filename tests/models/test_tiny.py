@@ -34,6 +34,16 @@ def test_fp16_storage_stays_close(tiny_model, tmp_path):
     assert not torch.equal(a, b)
 
 
+def test_bf16_weights_take_and_return_float32_latents(tiny_model_dir):
+    """bf16 rollouts (``model.dtype=bfloat16``): the DiT runs in bf16, the step math stays float32."""
+    full, half = load_flow_model(tiny_model_dir), load_flow_model(tiny_model_dir, dtype=torch.bfloat16)
+    assert next(half.transformer.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        a, b = _velocity(full, ["a green triangle"]), _velocity(half, ["a green triangle"])
+    assert b.dtype == torch.float32
+    assert 0 < (a - b).abs().max() < 0.1 * a.abs().max()
+
+
 def test_tokenizer_is_fast_with_chat_template(tiny_model_dir):
     model = load_flow_model(tiny_model_dir)
     assert isinstance(model.tokenizer, PreTrainedTokenizerFast)

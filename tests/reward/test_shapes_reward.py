@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from flowloop.reward import get_reward
@@ -31,3 +32,18 @@ def test_exact_reward_penalizes_only_surplus_objects():
     assert exact == [1.0, n / (n + 1)]
     assert [i["surplus_objects"] for i in exact_info] == [0, 1]
     assert [i["correct"] for i in exact_info] == [True, True]
+
+
+def test_correct_weight_blends_partial_credit_with_all_constraints_met():
+    prompt = "a red circle and a blue square"
+    scene = scene_for(shapes.parse_prompt(prompt), np.random.default_rng(0))
+    half = dataclasses.replace(scene, objects=scene.objects[:1])  # one of the two objects drawn
+    images = torch.stack([_image(scene), _image(half)])
+    dense, info = get_reward("shapes")(images, [prompt] * 2, [{}, {}])
+    assert dense[0] == 1.0 and 0.0 < dense[1] < 1.0 and not info[1]["correct"]
+    binary, _ = get_reward("shapes")(images, [prompt] * 2, [{}, {}], correct_weight=1.0)
+    assert binary == [1.0, 0.0]
+    mixed, _ = get_reward("shapes")(images, [prompt] * 2, [{}, {}], correct_weight=0.25)
+    assert mixed[1] == pytest.approx(0.75 * dense[1])
+    with pytest.raises(ValueError, match="correct_weight must be in"):
+        get_reward("shapes")(images, [prompt] * 2, [{}, {}], correct_weight=2.0)

@@ -97,8 +97,12 @@ class TinyFlowModel:
         return {"prompt_embeds": embeds, "prompt_embeds_mask": attention_mask.to(self.device)}
 
     def velocity(self, latents, sigma, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
-        sigma = torch.as_tensor(sigma, dtype=latents.dtype, device=latents.device).expand(latents.shape[0])
-        return self.transformer(latents, sigma, embeds["prompt_embeds"].to(latents.dtype), embeds["prompt_embeds_mask"])
+        """The DiT in the weights' dtype (bf16 makes batched CPU sampling ~2x faster on AVX512-BF16);
+        the velocity comes back in the latents' dtype, so the step math stays float32."""
+        dtype = self.transformer.patch_embed.weight.dtype
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
+        out = self.transformer(latents.to(dtype), sigma, embeds["prompt_embeds"].to(dtype), embeds["prompt_embeds_mask"])
+        return out.to(latents.dtype)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
