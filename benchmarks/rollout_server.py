@@ -7,11 +7,11 @@ On the shipped tiny model (`load_flow_model()`, 32x32), 10 steps, sampler sde (F
 default window: every step but the last, log-probs on), ``--requests`` single-sample requests
 (8 prompts x 8 seeds, as GRPO groups them) run (a) one at a time, ``engine.sample([r])`` each,
 and (b) all at once through `RolloutServer` (``asyncio.gather`` of one `generate` per request).
-Prints samples/s of each, the speed-up, the server's mean batch size and queue time, and
-``torch.get_num_threads()``. ``--dtype bfloat16`` runs the model in bf16 (the log-prob math
-stays float32): on a CPU with AVX512-BF16 a batched bf16 GEMM is several times faster than a
-batch-1 one, which is where dynamic batching pays off on a CPU. Each mode runs ``--repeats`` times, interleaved; the median counts
-(the machine may be shared).
+Prints samples/s of each, the speed-up, the server's mean batch size, and
+``torch.get_num_threads()``. ``--dtype bfloat16`` runs the DiT in bf16 (the step and log-prob
+math stays float32). Each mode runs ``--repeats`` times, interleaved, against one long-lived
+server warmed up before timing; the median counts (the machine may be shared). All torch work
+runs on the compute thread (`flowloop.compute`), as in `flowloop train`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ def make_requests(model, n: int, tag: str) -> list[RolloutRequest]:
 
 
 def one_at_a_time(engine: RolloutEngine, requests: list[RolloutRequest]) -> float:
-    """On the compute thread the server uses too (`flowloop.compute`): one OpenMP team, no
-    throttled spinning, so neither mode is slowed by the other's thread."""
+    """On the compute thread, like the server's batches: one OpenMP team for both modes."""
     def run() -> float:
         start = time.perf_counter()
         for request in requests:
@@ -75,7 +74,6 @@ def main() -> None:
     args = parser.parse_args()
 
     def setup() -> tuple:
-        # Every torch call of the run goes to the compute thread, as in `flowloop train`.
         model = load_flow_model(device=args.device, dtype=getattr(torch, args.dtype))
         engine = RolloutEngine(model)
         engine.sample(make_requests(model, 16, "warmup"))  # first-call costs out of the way

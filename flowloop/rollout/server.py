@@ -27,7 +27,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from flowloop.compute import compute_executor
-
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest
 
