@@ -1,11 +1,14 @@
-"""One thread for all of a process's torch compute: the rollout engine's batches and the update.
+"""One thread per process for the rollout server's batches, and for other torch work that wants it.
 
-Why one: PyTorch's CPU build parallelises with libgomp, which gives every thread that enters a
-parallel region its own team of worker threads. Once two threads have done so (say the rollout
-server's executor and the trainer's main thread), the process holds more OpenMP threads than
-CPUs, and libgomp cuts the spin-wait of every team by a factor of 100 to 1000: each parallel
-region then waits on futexes, and on a 2-core machine a forward pass ran 1.6-2x slower, even with
-the other thread idle. Running both on this one thread keeps a single team. On a GPU it costs
+Why: PyTorch's CPU build parallelises with libgomp, which gives every thread that enters a
+parallel region its own team of worker threads. Once two threads have done so, the process holds
+more OpenMP threads than CPUs and libgomp cuts every team's spin-wait 100-1000x, so each parallel
+region waits on futexes: on a 2-core machine a batch-1 sampling loop ran at 7.2 instead of 12.2
+samples/s while an idle second thread with its own team existed. Servers share this one thread
+instead of each starting its own, and a caller that puts its other torch work here too (as
+`benchmarks/rollout_server.py` does, model set-up included) keeps a single team. In
+`flowloop train` the main thread also stacks batches and updates the actor, so two teams remain
+there; moving only the update here made no measurable difference. On a GPU the thread costs
 nothing: kernels are queued from whichever thread.
 """
 

@@ -8,8 +8,8 @@ Four parts, as in vLLM's engine core:
   the group whose oldest request waited longest; run it when it holds ``max_batch_size``
   requests or its oldest request has waited ``max_wait_ms``;
 - executor: `RolloutEngine.sample` off the event loop, so intake never stalls; one batch at a
-  time, on the process's compute thread (`flowloop.compute`: the trainer's update runs there
-  too, which keeps CPU runs from slowing down) unless the server is given its own executor;
+  time, on the process's compute thread (`flowloop.compute`) unless the server is given its own
+  executor;
 - output: each future gets its `DiffusionOutput`, with ``queue_time`` added to its metrics.
 
 Lifecycle: `abort(request_id)` cancels a request (its caller gets `asyncio.CancelledError`; a

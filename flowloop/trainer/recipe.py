@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from flowloop.agent_loop import AgentLoopManager
-from flowloop.compute import run_compute
 from flowloop.config import to_yaml
 from flowloop.config.train import TrainConfig
 from flowloop.models import load_flow_model
@@ -155,8 +154,7 @@ class FlowGRPORecipe:
         # 4. Update the actor on the kept rows.
         metrics: dict[str, float] = {}
         if len(keep):
-            # On the compute thread, where the rollout engine ran: see flowloop.compute.
-            metrics.update(run_compute(self.actor.update, out[keep.tolist()], result.advantages[keep], self.generator))
+            metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
             if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()

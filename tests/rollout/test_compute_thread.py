@@ -1,5 +1,5 @@
-"""The process's one compute thread (`flowloop.compute`): the rollout server's batches and the
-trainer's update run there, and a nested call from that thread runs in place instead of deadlocking."""
+"""The process's one compute thread (`flowloop.compute`): rollout servers run their batches there
+unless given an executor, and a nested call from that thread runs in place instead of deadlocking."""
 
 import asyncio
 import threading
