@@ -8,7 +8,8 @@ Each variant is one subprocess (``trainer.num_threads=2``), stopped after ``--mi
 ``metrics.jsonl`` is written every step, so a stopped run still reports). Prints, per variant:
 steps done, seconds per step, held-out accuracy before, best (and at which step), and last.
 ``--eval`` then runs ``flowloop eval --split heldout --checkpoint`` on each variant's newest
-checkpoint (all at once, 2 threads each; 40 ODE steps, 8 seeds per prompt), writes
+checkpoint (and the run's ``model.path``; all at once, 2 threads each; 40 ODE steps, 8 seeds
+per prompt), writes
 ``OUT/NAME/eval_step_N.json`` and prints overall and per-category accuracy. Seeds are variants
 too: ``--variant "s1: trainer.seed=1"``.
 """
@@ -23,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 
 def main() -> None:
@@ -76,6 +79,9 @@ def evaluate_newest_checkpoints(out: Path, names: list[str]) -> None:
         result = out / name / f"eval_{checkpoints[-1].name}.json"
         cmd = [sys.executable, "-m", "flowloop.cli", "eval", "--split", "heldout",
                "--checkpoint", str(checkpoints[-1]), "--json", str(result)]
+        model_path = OmegaConf.load(out / name / "config.yaml").model.path  # the run's own base model
+        if model_path:
+            cmd += ["--model", str(model_path)]
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
         log = open(out / f"{name}.eval.log", "w")
         jobs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, result)

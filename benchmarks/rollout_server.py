@@ -10,8 +10,9 @@ and (b) all at once through `RolloutServer` (``asyncio.gather`` of one `generate
 Prints samples/s of each, the speed-up, the server's mean batch size, and
 ``torch.get_num_threads()``. ``--dtype bfloat16`` runs the DiT in bf16 (the step and log-prob
 math stays float32). Each mode runs ``--repeats`` times, interleaved, against one long-lived
-server warmed up before timing; the median counts (the machine may be shared). All torch work
-runs on the compute thread (`flowloop.compute`), as in `flowloop train`.
+server warmed up before timing; the median counts (the machine may be shared). All torch work,
+model set-up included, runs on the compute thread (`flowloop.compute`) the server uses, so the
+process has one OpenMP team and neither mode is slowed by the other's thread.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ def make_requests(model, n: int, tag: str) -> list[RolloutRequest]:
 
 
 def one_at_a_time(engine: RolloutEngine, requests: list[RolloutRequest]) -> float:
-    """On the compute thread, like the server's batches: one OpenMP team for both modes."""
     def run() -> float:
         start = time.perf_counter()
         for request in requests:
@@ -52,15 +52,13 @@ def one_at_a_time(engine: RolloutEngine, requests: list[RolloutRequest]) -> floa
     return run_compute(run)
 
 
-async def through_server(server: RolloutServer, requests: list[RolloutRequest]) -> tuple[float, dict]:
-    """All ``requests`` at once; samples/s and the metrics of this run alone."""
-    before = server.metrics()
+async def through_server(server: RolloutServer, requests: list[RolloutRequest]) -> tuple[float, float]:
+    """All ``requests`` at once: samples/s and the mean batch size of this run alone."""
+    batches_before = server.metrics()["num_batches"]
     start = time.perf_counter()
     await asyncio.gather(*(server.generate(r) for r in requests))
     elapsed = time.perf_counter() - start
-    after = server.metrics()
-    batches = after["num_batches"] - before["num_batches"]
-    return len(requests) / elapsed, {"mean_batch_size": len(requests) / batches}
+    return len(requests) / elapsed, len(requests) / (server.metrics()["num_batches"] - batches_before)
 
 
 def main() -> None:
@@ -94,11 +92,11 @@ def main() -> None:
         await through_server(server, make_requests(model, args.max_batch_size, "warmup-server"))
         for repeat in range(args.repeats):
             single.append(one_at_a_time(engine, make_requests(model, args.requests, f"single{repeat}")))
-            rate, metrics = await through_server(server, make_requests(model, args.requests, f"server{repeat}"))
+            rate, mean_batch = await through_server(server, make_requests(model, args.requests, f"server{repeat}"))
             served.append(rate)
-            batch_sizes.append(metrics["mean_batch_size"])
+            batch_sizes.append(mean_batch)
             print(f"  repeat {repeat}: one at a time {single[-1]:6.1f} samples/s | server {rate:6.1f} samples/s, "
-                  f"mean batch {metrics['mean_batch_size']:.1f}")
+                  f"mean batch {mean_batch:.1f}")
         await server.stop()
 
     asyncio.run(serve_all())

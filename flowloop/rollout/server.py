@@ -53,7 +53,7 @@ class RolloutServer:
         if not max_wait_ms >= 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms!r}")
         self.engine = engine
-        self._own_executor = executor
+        self._executor = executor or compute_executor()  # its thread starts on the first batch
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,7 +161,6 @@ class RolloutServer:
         self._outstanding: dict[str, _Pending] = {}
         self._wakeup = asyncio.Event()
         self._batch_task: asyncio.Task | None = None
-        self._executor = self._own_executor or compute_executor()
         self._scheduler = loop.create_task(self._schedule(), name="rollout-scheduler")
 
     async def _schedule(self) -> None:

@@ -100,7 +100,7 @@ class TinyFlowModel:
         """The DiT in the weights' dtype (``model.dtype``); the velocity comes back in the latents'
         dtype, so the step and log-prob math stays float32 under bf16 weights, as in the diffusers
         adapters."""
-        dtype = self.transformer.patch_embed.weight.dtype
+        dtype = self.transformer.dtype
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).expand(latents.shape[0])
         out = self.transformer(latents.to(dtype), sigma, embeds["prompt_embeds"].to(dtype), embeds["prompt_embeds_mask"])
         return out.to(latents.dtype)
