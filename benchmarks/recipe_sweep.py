@@ -8,9 +8,8 @@ Each variant is one subprocess (``trainer.num_threads=2``), stopped after ``--mi
 ``metrics.jsonl`` is written every step, so a stopped run still reports). Prints, per variant:
 steps done, seconds per step, held-out accuracy before, best (and at which step), and last.
 ``--eval`` then runs ``flowloop eval --split heldout --checkpoint`` on each variant's newest
-checkpoint (and the run's ``model.path``; all at once, 2 threads each; 40 ODE steps, 8 seeds
-per prompt), writes
-``OUT/NAME/eval_step_N.json`` and prints overall and per-category accuracy. Seeds are variants
+checkpoint (and the run's ``model.path``; all at once, 2 threads each; 8 seeds per prompt) at
+each ``--eval-steps`` ODE step count (default 40), writes ``OUT/NAME/eval_step_N_odeS.json`` and prints overall and per-category accuracy. Seeds are variants
 too: ``--variant "s1: trainer.seed=1"``.
 """
 
@@ -35,6 +34,7 @@ def main() -> None:
     parser.add_argument("--base", default="", help="overrides shared by every variant")
     parser.add_argument("--variant", action="append", required=True, help='"name: key=value key=value"')
     parser.add_argument("--eval", action="store_true", help="evaluate each variant's newest checkpoint on the held-out split")
+    parser.add_argument("--eval-steps", type=int, nargs="+", default=[40], help="ODE step counts to evaluate at (one eval each)")
     args = parser.parse_args()
     procs = {}
     for spec in args.variant:
@@ -65,35 +65,36 @@ def main() -> None:
         per_step = sum(r["time/step"] for r in steps) / max(len(steps), 1)
         print(f"{name:<14} {len(steps):>5} {per_step:>7.2f} {val[0][1]:>7.1%} {best[1]:>7.1%} {best[0]:>6} {val[-1][1]:>7.1%}")
     if args.eval:
-        evaluate_newest_checkpoints(Path(args.out), list(procs))
+        evaluate_newest_checkpoints(Path(args.out), list(procs), args.eval_steps)
 
 
-def evaluate_newest_checkpoints(out: Path, names: list[str]) -> None:
-    """`flowloop eval` of each run's newest checkpoint, in parallel; prints one row per run."""
+def evaluate_newest_checkpoints(out: Path, names: list[str], step_counts: list[int]) -> None:
+    """`flowloop eval` of each run's newest checkpoint at each ODE step count, in parallel; one row each."""
     jobs = {}
     for name in names:
         checkpoints = sorted((out / name / "checkpoints").glob("step_*"))
         if not checkpoints:
             print(f"{name:<14} no checkpoint to evaluate")
             continue
-        result = out / name / f"eval_{checkpoints[-1].name}.json"
-        cmd = [sys.executable, "-m", "flowloop.cli", "eval", "--split", "heldout",
-               "--checkpoint", str(checkpoints[-1]), "--json", str(result)]
         model_path = OmegaConf.load(out / name / "config.yaml").model.path  # the run's own base model
-        if model_path:
-            cmd += ["--model", str(model_path)]
-        env = {**os.environ, "OMP_NUM_THREADS": "2"}
-        log = open(out / f"{name}.eval.log", "w")
-        jobs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log, result)
-    for name, (proc, log, result) in jobs.items():
+        for steps in step_counts:
+            result = out / name / f"eval_{checkpoints[-1].name}_ode{steps}.json"
+            cmd = [sys.executable, "-m", "flowloop.cli", "eval", "--split", "heldout", "--steps", str(steps),
+                   "--checkpoint", str(checkpoints[-1]), "--json", str(result)]
+            if model_path:
+                cmd += ["--model", str(model_path)]
+            env = {**os.environ, "OMP_NUM_THREADS": "2"}
+            log = open(out / f"{name}.eval_ode{steps}.log", "w")
+            jobs[result] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+    for result, (name, proc, log) in jobs.items():
         proc.wait()
         log.close()
         if proc.returncode:
-            print(f"{name:<14} eval failed (see {out}/{name}.eval.log)")
+            print(f"{name:<14} eval failed (see {log.name})")
             continue
         report = json.loads(result.read_text())
         categories = "  ".join(f"{c} {v['accuracy']:.1%}" for c, v in report["per_category"].items())
-        print(f"{name:<14} {result.stem.removeprefix('eval_'):<12} held-out {report['accuracy']:.1%}  {categories}")
+        print(f"{name:<14} {result.stem.removeprefix('eval_'):<18} held-out {report['accuracy']:.1%}  {categories}")
 
 
 if __name__ == "__main__":

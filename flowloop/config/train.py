@@ -15,6 +15,7 @@ from flowloop.config.rollout import RolloutConfig
 KL_MODES = ("flow_grpo", "exact")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 FINETUNE_MODES = ("full", "lora")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 RESUME_MODES = ("never", "auto")
 PROMPT_SAMPLING = ("uniform", "category_balanced")
 
@@ -72,6 +73,13 @@ class ActorConfig:
     """AdamW learning rate (after warm-up)."""
     warmup_steps: int = 0
     """Optimizer steps of linear warm-up."""
+    lr_schedule: str = "constant"
+    """After warm-up: ``constant``, or ``linear`` / ``cosine`` decay to ``lr * lr_final_ratio`` at
+    the run's last planned optimizer step (trainer.total_steps x the optimizer steps one full
+    batch makes; dropped zero-variance groups make fewer, so such a run ends a little above it).
+    Constant is flow_grpo's choice; a decay lets a short run settle instead of stopping mid-drift."""
+    lr_final_ratio: float = 0.0
+    """The decayed schedules' final lr as a share of ``lr``."""
     weight_decay: float = 0.0
     """AdamW weight decay; 0 because the KL term already keeps the policy near the base."""
     max_grad_norm: float = 1.0
@@ -157,6 +165,9 @@ class TrainConfig:
         _choice("actor.finetune", self.actor.finetune, FINETUNE_MODES)
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
         _choice("actor.kl_mode", self.actor.kl_mode, KL_MODES)
+        _choice("actor.lr_schedule", self.actor.lr_schedule, LR_SCHEDULES)
+        if not 0.0 <= self.actor.lr_final_ratio <= 1.0:
+            raise ValueError(f"actor.lr_final_ratio must be in [0, 1], got {self.actor.lr_final_ratio}")
         if self.trainer.resume not in RESUME_MODES and "/" not in self.trainer.resume:
             raise ValueError(f"trainer.resume must be one of {list(RESUME_MODES)} or a checkpoint path, got {self.trainer.resume!r}")
         from flowloop.tasks.shapes import SPLITS

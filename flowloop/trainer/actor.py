@@ -30,7 +30,7 @@ from flowloop.trainer.losses import flow_grpo_loss, kl_loss
 class Actor:
     """Owns the trainable denoiser's optimizer and the frozen reference; `update` is one RL update."""
 
-    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, seed: int = 0):
+    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, seed: int = 0, total_optimizer_steps: int = 1):
         self.model = model
         self.config = config
         self.sampling = sampling
@@ -49,8 +49,7 @@ class Actor:
             self.ema = {name: p.detach().clone() for name, p in self.module.named_parameters() if p.requires_grad}
         torch.manual_seed(seed)
         self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-        warmup = max(config.warmup_steps, 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config, total_optimizer_steps))
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The weights a checkpoint must hold (all of them, or the LoRA adapters)."""
@@ -167,6 +166,30 @@ class Actor:
             for j in range(trained):
                 out[rows_idx, j] = self.replay(rows, j).log_prob
         return out
+
+
+def lr_factor(config: ActorConfig, total_steps: int):
+    """The scheduler's multiplier of ``config.lr`` at optimizer step ``s`` (0-based): linear
+    warm-up over ``warmup_steps``, then ``lr_schedule`` down to ``lr_final_ratio`` at ``total_steps``."""
+    warmup = max(config.warmup_steps, 1)
+    floor = config.lr_final_ratio
+
+    def factor(s: int) -> float:
+        if s + 1 < warmup:
+            return (s + 1) / warmup
+        if config.lr_schedule == "constant":
+            return 1.0
+        done = min(1.0, (s + 1 - warmup) / max(total_steps - warmup, 1))
+        decay = 1.0 - done if config.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+        return floor + (1.0 - floor) * decay
+
+    return factor
+
+
+def optimizer_steps_per_batch(config: ActorConfig, rows: int) -> int:
+    """How many optimizer steps `Actor.update` makes on a batch of ``rows``."""
+    micro = math.ceil(rows / config.micro_batch_size)
+    return math.ceil(micro / (config.mini_batch_size // config.micro_batch_size)) * config.inner_epochs
 
 
 def _accumulate(sums: dict, counts: dict, values: dict) -> None:

@@ -28,7 +28,7 @@ from flowloop.protocol import Batch
 from flowloop.reward.worker import ERROR_KEY
 from flowloop.rollout.types import SamplingParams
 from flowloop.tasks import shapes
-from flowloop.trainer.actor import Actor
+from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
 from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
 from flowloop.trainer.checkpoint import (
     capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
@@ -89,7 +89,8 @@ class FlowGRPORecipe:
             self.model.trainable_module().enable_gradient_checkpointing()
         self.manager = AgentLoopManager.create(cfg.rollout, self.model)
         sampling = SamplingParams.from_dict(cfg.rollout.sampling_dict(validate=False))
-        self.actor = Actor(self.model, cfg.actor, sampling, seed=cfg.trainer.seed)
+        planned = cfg.trainer.total_steps * optimizer_steps_per_batch(cfg.actor, cfg.data.prompts_per_step * cfg.rollout.n)
+        self.actor = Actor(self.model, cfg.actor, sampling, seed=cfg.trainer.seed, total_optimizer_steps=planned)
         self.tracker = PerPromptStatTracker() if cfg.advantage.estimator == "per_prompt" else None
         self.guard = NonFiniteGuard()
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)

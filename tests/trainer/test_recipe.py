@@ -62,6 +62,15 @@ def test_resume_is_exact(tiny_model_dir, tmp_path):
     assert metrics(tmp_path / "straight" / "shapes") == metrics(tmp_path / "split" / "shapes")
 
 
+def test_linear_lr_schedule_reaches_its_floor_at_the_last_planned_step(tiny_model_dir, tmp_path):
+    # 2 prompts x 4 samples, mini-batches of 4: 2 optimizer steps per RL step, 4 planned in all.
+    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2", "actor.lr_schedule=linear",
+                    "actor.lr_final_ratio=0.1", "trainer.val_every=10"), log=lambda _: None)
+    lrs = [r["actor/lr"] for r in metrics(tmp_path / "shapes") if "actor/lr" in r]
+    # actor/lr is the rate the next optimizer step will use: after 2 of 4 steps 1e-3 * (0.1 + 0.9 / 3).
+    assert lrs == pytest.approx([1e-3 * (0.1 + 0.9 / 3), 1e-4])
+
+
 def test_a_new_run_never_overwrites_another(tiny_model_dir, tmp_path):
     first = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1"), log=lambda _: None)
     first.setup()
@@ -80,6 +89,8 @@ def test_a_new_run_never_overwrites_another(tiny_model_dir, tmp_path):
     ("actor.mini_batch_size=6", "actor.mini_batch_size=6 must be a multiple of actor.micro_batch_size=4"),
     ("rollout.n=0", "rollout.n must be > 0"),
     ("actor.lrr=1", "unknown config key 'actor.lrr'"),
+    ("actor.lr_schedule=step", "actor.lr_schedule must be one of ['constant', 'linear', 'cosine']"),
+    ("actor.lr_final_ratio=2", "actor.lr_final_ratio must be in [0, 1]"),
 ])
 def test_config_errors_name_the_key(tiny_model_dir, tmp_path, override, message):
     with pytest.raises(ValueError) as err:

@@ -1,0 +1,18 @@
+"""The actor's learning-rate schedule against hand-computed values."""
+
+import pytest
+
+from flowloop.config.train import ActorConfig
+from flowloop.trainer.actor import lr_factor
+
+
+@pytest.mark.parametrize("schedule,expected", [
+    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", [0.5, 1.0, 0.7, 0.4, 0.1]),  # warm-up 2, then down to 0.1 at step 4 of 5
+    ("cosine", [0.5, 1.0, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25, 0.1]),
+])
+def test_lr_factor_warms_up_then_decays_to_the_floor(schedule, expected):
+    config = ActorConfig(warmup_steps=2, lr_schedule=schedule, lr_final_ratio=0.1)
+    factor = lr_factor(config, total_steps=5)
+    assert [factor(s) for s in range(5)] == pytest.approx(expected)
+    assert factor(9) == pytest.approx(expected[-1])  # past the plan it stays at the floor
