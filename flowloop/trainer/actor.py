@@ -11,6 +11,7 @@ metric measures how closely).
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -25,6 +26,7 @@ from flowloop.sampling import get_step
 from flowloop.trainer.lora import adapters_disabled, add_lora
 from flowloop.trainer.losses import flow_grpo_loss, kl_loss
 
+logger = logging.getLogger(__name__)
 
 
 class Actor:
@@ -44,6 +46,10 @@ class Actor:
             self.reference = copy.copy(model)
             self.reference.transformer = copy.deepcopy(self.module).requires_grad_(False).eval()
         trainable = [p for p in self.module.parameters() if p.requires_grad]
+        low_precision = sorted({str(p.dtype) for p in trainable if p.dtype != torch.float32})
+        if low_precision:
+            logger.warning("training %s weights with AdamW: steps below their resolution round away; use "
+                           "actor.finetune=lora (float32 adapters) or model.dtype=float32", "/".join(low_precision))
         self.ema = None
         if config.ema_decay is not None:
             self.ema = {name: p.detach().clone() for name, p in self.module.named_parameters() if p.requires_grad}

@@ -18,6 +18,10 @@ def add_lora(module: nn.Module, config) -> list[str]:
     """Freeze ``module`` and add trainable LoRA adapters to its linear layers whose names end in
     one of ``config.lora_target_modules``; returns the adapted module names.
 
+    The adapters are float32 even on a bf16/fp16 base (as flow_grpo keeps them): AdamW steps of
+    lr ~1e-4 are below bf16's resolution for most weights and would round away. peft runs the
+    adapter branch in the adapters' dtype and casts the sum back to the base layer's.
+
     A target list that matches no linear layer is a ValueError listing the names that exist,
     not a silent run with nothing to train.
     """
@@ -33,6 +37,9 @@ def add_lora(module: nn.Module, config) -> list[str]:
     module.requires_grad_(False)
     module.add_adapter(peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=targets,
                                        init_lora_weights=True))
+    for param in module.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
     return targets
 
 

@@ -118,6 +118,35 @@ def test_lora_trains_adapters_only(tiny_model_dir, tmp_path):
     assert rows[-1]["actor/kl_loss"] > 0  # the reference (adapters off) differs from the trained model
 
 
+def test_lora_adapters_train_in_float32_on_a_bf16_model(tiny_model_dir, tmp_path):
+    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "actor.finetune=lora",
+                                        "actor.lora_rank=4", "model.dtype=bfloat16", "trainer.val_every=10"),
+                            log=lambda _: None)
+    recipe.setup()
+    try:
+        params = dict(recipe.actor.module.named_parameters())
+        assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+        assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
+        recipe.train()
+    finally:
+        recipe.cleanup()
+    saved = load_file(tmp_path / "shapes" / "checkpoints" / "step_000001" / "model.safetensors")
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    assert any(saved[k].abs().max() > 0 for k in saved if "lora_B" in k)
+    row = [r for r in metrics(tmp_path / "shapes") if "rollout_correction/max" in r][0]
+    assert row["rollout_correction/max"] <= 1e-6  # rollout and replay run the same mixed-dtype module
+
+
+@pytest.mark.parametrize("finetune,warned", [("full", True), ("lora", False)])
+def test_training_bf16_weights_warns(tiny_model_dir, tmp_path, caplog, finetune, warned):
+    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, f"actor.finetune={finetune}", "model.dtype=bfloat16"),
+                            log=lambda _: None)
+    with caplog.at_level("WARNING", logger="flowloop.trainer.actor"):
+        recipe.setup()
+    recipe.cleanup()
+    assert ("training torch.bfloat16 weights with AdamW" in caplog.text) is warned
+
+
 def test_lora_target_matching_nothing_is_an_error(tiny_model_dir, tmp_path):
     recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "actor.finetune=lora", "actor.lora_target_modules=[to_q]"),
                             log=lambda _: None)
