@@ -76,7 +76,8 @@ class ActorConfig:
     lr_schedule: str = "constant"
     """After warm-up: ``constant``, or ``linear`` / ``cosine`` decay to ``lr * lr_final_ratio`` at
     the run's last planned optimizer step (trainer.total_steps x the optimizer steps one full
-    batch makes; dropped zero-variance groups make fewer, so such a run ends a little above it).
+    batch makes; dropped zero-variance groups or a skipped update make fewer, so such a run ends a
+    little above it; changing trainer.total_steps on resume reshapes the remaining decay).
     Constant is flow_grpo's choice; a decay lets a short run settle instead of stopping mid-drift."""
     lr_final_ratio: float = 0.0
     """The decayed schedules' final lr as a share of ``lr``."""

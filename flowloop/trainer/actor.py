@@ -32,7 +32,10 @@ logger = logging.getLogger(__name__)
 class Actor:
     """Owns the trainable denoiser's optimizer and the frozen reference; `update` is one RL update."""
 
-    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, seed: int = 0, total_optimizer_steps: int = 1):
+    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, seed: int = 0,
+                 total_optimizer_steps: int | None = None):
+        """``total_optimizer_steps``: the run's planned optimizer steps, which a decaying
+        ``config.lr_schedule`` needs (`optimizer_steps_per_batch` x RL steps)."""
         self.model = model
         self.config = config
         self.sampling = sampling
@@ -174,9 +177,11 @@ class Actor:
         return out
 
 
-def lr_factor(config: ActorConfig, total_steps: int):
+def lr_factor(config: ActorConfig, total_steps: int | None):
     """The scheduler's multiplier of ``config.lr`` at optimizer step ``s`` (0-based): linear
     warm-up over ``warmup_steps``, then ``lr_schedule`` down to ``lr_final_ratio`` at ``total_steps``."""
+    if config.lr_schedule != "constant" and total_steps is None:
+        raise ValueError(f"actor.lr_schedule={config.lr_schedule!r} needs the run's planned optimizer steps")
     warmup = max(config.warmup_steps, 1)
     floor = config.lr_final_ratio
 

@@ -16,3 +16,9 @@ def test_lr_factor_warms_up_then_decays_to_the_floor(schedule, expected):
     factor = lr_factor(config, total_steps=5)
     assert [factor(s) for s in range(5)] == pytest.approx(expected)
     assert factor(9) == pytest.approx(expected[-1])  # past the plan it stays at the floor
+
+
+def test_a_decaying_schedule_needs_the_planned_steps():
+    with pytest.raises(ValueError, match="actor.lr_schedule='cosine' needs the run's planned optimizer steps"):
+        lr_factor(ActorConfig(lr_schedule="cosine"), None)
+    assert lr_factor(ActorConfig(), None)(10) == 1.0

@@ -71,6 +71,22 @@ def test_linear_lr_schedule_reaches_its_floor_at_the_last_planned_step(tiny_mode
     assert lrs == pytest.approx([1e-3 * (0.1 + 0.9 / 3), 1e-4])
 
 
+def test_resume_after_a_crash_is_exact_with_a_decaying_lr(tiny_model_dir, tmp_path):
+    import shutil
+
+    args = ("trainer.total_steps=4", "actor.lr_schedule=cosine")
+    run(tiny_config(tiny_model_dir, tmp_path / "straight", *args), log=lambda _: None)
+    # A crash after step 2's checkpoint: the same run folder without what came later.
+    shutil.copytree(tmp_path / "straight", tmp_path / "crashed")
+    shutil.rmtree(tmp_path / "crashed" / "shapes" / "checkpoints" / "step_000004")
+    run(tiny_config(tiny_model_dir, tmp_path / "crashed", *args, "trainer.resume=auto"), log=lambda _: None)
+    straight = load_file(tmp_path / "straight" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
+    resumed = load_file(tmp_path / "crashed" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert metrics(tmp_path / "straight" / "shapes") == metrics(tmp_path / "crashed" / "shapes")
+    assert [r["actor/lr"] for r in metrics(tmp_path / "crashed" / "shapes") if "actor/lr" in r][-1] == 0.0
+
+
 def test_a_new_run_never_overwrites_another(tiny_model_dir, tmp_path):
     first = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1"), log=lambda _: None)
     first.setup()
