@@ -169,6 +169,9 @@ class TrainConfig:
         _choice("actor.lr_schedule", self.actor.lr_schedule, LR_SCHEDULES)
         if not 0.0 <= self.actor.lr_final_ratio <= 1.0:
             raise ValueError(f"actor.lr_final_ratio must be in [0, 1], got {self.actor.lr_final_ratio}")
+        if self.actor.lr_final_ratio and self.actor.lr_schedule == "constant":
+            raise ValueError(f"actor.lr_final_ratio={self.actor.lr_final_ratio} has no effect with actor.lr_schedule=constant; "
+                             "set actor.lr_schedule=linear or cosine")
         if self.trainer.resume not in RESUME_MODES and "/" not in self.trainer.resume:
             raise ValueError(f"trainer.resume must be one of {list(RESUME_MODES)} or a checkpoint path, got {self.trainer.resume!r}")
         from flowloop.tasks.shapes import SPLITS

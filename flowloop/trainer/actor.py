@@ -183,6 +183,9 @@ def lr_factor(config: ActorConfig, total_steps: int | None):
     if config.lr_schedule != "constant" and total_steps is None:
         raise ValueError(f"actor.lr_schedule={config.lr_schedule!r} needs the run's planned optimizer steps")
     warmup = max(config.warmup_steps, 1)
+    if config.lr_schedule != "constant" and config.warmup_steps >= total_steps:
+        raise ValueError(f"actor.warmup_steps={config.warmup_steps} leaves no room for the {config.lr_schedule} decay: "
+                         f"the run plans {total_steps} optimizer steps; lower actor.warmup_steps")
     floor = config.lr_final_ratio
 
     def factor(s: int) -> float:

@@ -22,3 +22,9 @@ def test_a_decaying_schedule_needs_the_planned_steps():
     with pytest.raises(ValueError, match="actor.lr_schedule='cosine' needs the run's planned optimizer steps"):
         lr_factor(ActorConfig(lr_schedule="cosine"), None)
     assert lr_factor(ActorConfig(), None)(10) == 1.0
+
+
+def test_a_warm_up_as_long_as_the_run_is_an_error_for_a_decay():
+    with pytest.raises(ValueError, match="actor.warmup_steps=8 leaves no room for the linear decay: the run plans 8"):
+        lr_factor(ActorConfig(warmup_steps=8, lr_schedule="linear"), 8)
+    assert lr_factor(ActorConfig(warmup_steps=8), 8)(7) == 1.0  # constant: warm-up only

@@ -107,6 +107,7 @@ def test_a_new_run_never_overwrites_another(tiny_model_dir, tmp_path):
     ("actor.lrr=1", "unknown config key 'actor.lrr'"),
     ("actor.lr_schedule=step", "actor.lr_schedule must be one of ['constant', 'linear', 'cosine']"),
     ("actor.lr_final_ratio=2", "actor.lr_final_ratio must be in [0, 1]"),
+    ("actor.lr_final_ratio=0.1", "actor.lr_final_ratio=0.1 has no effect with actor.lr_schedule=constant"),
 ])
 def test_config_errors_name_the_key(tiny_model_dir, tmp_path, override, message):
     with pytest.raises(ValueError) as err:
