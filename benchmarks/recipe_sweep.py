@@ -9,8 +9,8 @@ Each variant is one subprocess (``trainer.num_threads=2``), stopped after ``--mi
 steps done, seconds per step, held-out accuracy before, best (and at which step), and last.
 ``--eval`` then runs ``flowloop eval --split heldout --checkpoint`` on each variant's newest
 checkpoint (and the run's ``model.path``; all at once, 2 threads each; 8 seeds per prompt) at
-each ``--eval-steps`` ODE step count (default 40), writes ``OUT/NAME/eval_step_N_odeS.json`` and prints overall and per-category accuracy. Seeds are variants
-too: ``--variant "s1: trainer.seed=1"``.
+each ``--eval-steps`` ODE step count (default 40), writes ``OUT/NAME/eval_step_N_odeS.json`` and
+prints overall and per-category accuracy. Seeds are variants too: ``--variant "s1: trainer.seed=1"``.
 """
 
 from __future__ import annotations
