@@ -71,6 +71,7 @@ def main() -> None:
 def evaluate_newest_checkpoints(out: Path, names: list[str], step_counts: list[int]) -> None:
     """`flowloop eval` of each run's newest checkpoint at each ODE step count, in parallel; one row each."""
     jobs = {}
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
     for name in names:
         checkpoints = sorted((out / name / "checkpoints").glob("step_*"))
         if not checkpoints:
@@ -83,7 +84,6 @@ def evaluate_newest_checkpoints(out: Path, names: list[str], step_counts: list[i
                    "--checkpoint", str(checkpoints[-1]), "--json", str(result)]
             if model_path:
                 cmd += ["--model", str(model_path)]
-            env = {**os.environ, "OMP_NUM_THREADS": "2"}
             log = open(out / f"{name}.eval_ode{steps}.log", "w")
             jobs[result] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
     for result, (name, proc, log) in jobs.items():

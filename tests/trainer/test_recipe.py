@@ -1,6 +1,7 @@
 """The FlowGRPO recipe end to end on a tiny random model: exact replay, exact resume, run folders."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -72,8 +73,6 @@ def test_linear_lr_schedule_reaches_its_floor_at_the_last_planned_step(tiny_mode
 
 
 def test_resume_after_a_crash_is_exact_with_a_decaying_lr(tiny_model_dir, tmp_path):
-    import shutil
-
     args = ("trainer.total_steps=4", "actor.lr_schedule=cosine")
     run(tiny_config(tiny_model_dir, tmp_path / "straight", *args), log=lambda _: None)
     # A crash after step 2's checkpoint: the same run folder without what came later.
