@@ -63,8 +63,9 @@ class FlowGRPORecipe:
             self.val_rows = (load_prompt_file(val_file, "data.val_prompt_file") if val_file
                              else self.train_rows[:cfg.trainer.val_samples_per_category])
         else:
-            self.train_rows = [{"raw_prompt": p} for p in shapes.split_prompts(cfg.data.train_split)]
-            self.train_prompts_by_category = [shapes.split_prompts(cfg.data.train_split, c) for c in shapes.CATEGORIES]
+            self.train_rows = [{"raw_prompt": p, "category": shapes.category_of(shapes.parse_prompt(p))}
+                               for p in shapes.split_prompts(cfg.data.train_split)]
+            self.train_rows_by_category = [[row for row in self.train_rows if row["category"] == c] for c in shapes.CATEGORIES]
 
     # -- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -161,6 +162,7 @@ class FlowGRPORecipe:
         end = time.perf_counter()
         metrics.update({
             **reward_extra_means(out),
+            **category_reward_means(out, rewards),
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
             "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
@@ -174,9 +176,8 @@ class FlowGRPORecipe:
         rng = np.random.default_rng([self.cfg.trainer.seed, step])
         count = self.cfg.data.prompts_per_step
         if self.cfg.data.prompt_sampling == "category_balanced":
-            pools = self.train_prompts_by_category
-            chosen = [{"raw_prompt": pool[rng.integers(len(pool))]}
-                      for pool in (pools[rng.integers(len(pools))] for _ in range(count))]
+            pools = self.train_rows_by_category
+            chosen = [pool[rng.integers(len(pool))] for pool in (pools[rng.integers(len(pools))] for _ in range(count))]
         else:
             rows = self.train_rows
             chosen = [rows[i] for i in rng.choice(len(rows), count, replace=count > len(rows))]
@@ -302,6 +303,24 @@ def reward_extra_means(out: Batch) -> dict[str, float]:
         values = [v for v in out[key] if v is not None]
         if values and all(isinstance(v, (bool, int, float, np.bool_, np.number)) for v in values):
             means[key if key.startswith("reward/") else f"reward/{key}"] = float(np.mean([float(v) for v in values]))
+    return means
+
+
+def category_reward_means(out: Batch, rewards: torch.Tensor) -> dict[str, float]:
+    """``reward/category/<name>/mean`` (and ``.../correct`` when the reward reports it) for each
+    value of the batch's ``category`` column: the shapes world's six, or a prompt file's own
+    ``category`` field. The overall mean hides which kinds of prompt are learning; a single
+    category's line in ``metrics.jsonl`` shows it. Rows without a category are left out."""
+    if "category" not in out:
+        return {}
+    means = {}
+    categories = list(out["category"])
+    correct = list(out["correct"]) if "correct" in out else None
+    for name in sorted({c for c in categories if c is not None}, key=str):
+        rows = [i for i, c in enumerate(categories) if c == name]
+        means[f"reward/category/{name}/mean"] = float(rewards[rows].mean())
+        if correct is not None:
+            means[f"reward/category/{name}/correct"] = float(np.mean([float(correct[i]) for i in rows]))
     return means
 
 

@@ -7,10 +7,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from flowloop.cli import main
 from flowloop.protocol import Batch
-from flowloop.trainer.recipe import reward_extra_means
+from flowloop.trainer.recipe import category_reward_means, reward_extra_means
 
 TINY = [
     "rollout.pipeline.height=16", "rollout.pipeline.width=16", "rollout.pipeline.num_inference_steps=4",
@@ -43,3 +44,16 @@ def test_reward_extra_means_logs_every_numeric_column_generically():
         "reward/ocr": [0.5, 0.5, 1.0, 0.0], "reward_error": [None] * 4, "constraints": [{"x": True}] * 4, "uid": [1, 2, 3, 4],
     }, meta_info={"reward_extra_keys": ["correct", "jpeg_kb", "label", "reward/ocr", "reward_error", "constraints"]})
     assert reward_extra_means(batch) == {"reward/correct": 0.75, "reward/jpeg_kb": 2.0, "reward/ocr": 0.5}
+
+
+def test_category_reward_means_split_the_reward_and_accuracy_by_category():
+    batch = Batch.from_dict(non_tensors={"category": ["counting", "position", "counting", None],
+                                         "correct": [True, False, False, True]})
+    rewards = torch.tensor([1.0, 0.25, 0.5, 0.0])
+    assert category_reward_means(batch, rewards) == {
+        "reward/category/counting/mean": 0.75, "reward/category/counting/correct": 0.5,
+        "reward/category/position/mean": 0.25, "reward/category/position/correct": 0.0,
+    }
+    assert category_reward_means(Batch.from_dict(non_tensors={"category": ["a", "b"]}), torch.tensor([0.5, 1.0])) == {
+        "reward/category/a/mean": 0.5, "reward/category/b/mean": 1.0}
+    assert category_reward_means(Batch.from_dict(non_tensors={"uid": [1]}), torch.tensor([1.0])) == {}

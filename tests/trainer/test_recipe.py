@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from flowloop.config import load_config
 from flowloop.config.train import TrainConfig
 from flowloop.reward.registry import register_reward
+from flowloop.tasks import shapes
 from flowloop.trainer.recipe import FlowGRPORecipe, run
 
 
@@ -46,6 +47,8 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
         assert row["actor/grad_norm"] > 0
     assert set(rows[0]) >= {"val/accuracy", "val/color_attr/accuracy"}
     assert {"reward/mean", "advantage/zero_std_group_frac", "actor/kl_loss", "actor/clip_frac", "actor/approx_kl"} <= set(trained[0])
+    by_category = {k.split("/")[2] for row in trained for k in row if k.startswith("reward/category/")}
+    assert by_category and by_category <= set(shapes.CATEGORIES)  # the step's prompts, by category
     before = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     after = load_file(tmp_path / "shapes" / "checkpoints" / "step_000002" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -172,8 +175,6 @@ def test_lora_target_matching_nothing_is_an_error(tiny_model_dir, tmp_path):
 
 
 def test_category_balanced_prompts_cover_every_category(tiny_model_dir, tmp_path):
-    from flowloop.tasks import shapes
-
     recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "data.prompt_sampling=category_balanced",
                                         "data.prompts_per_step=60"), log=lambda _: None)
     batch = recipe.make_batch(step=3)
