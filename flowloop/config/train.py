@@ -57,6 +57,10 @@ class DataConfig:
     """``uniform`` over the split's prompts, or ``category_balanced``: a category first, then one of
     its prompts, so every category trains equally (held-out accuracy is the mean over categories,
     and 135 of the 179 train prompts are colour-attribution ones)."""
+    category_weights: Optional[Dict[str, float]] = None
+    """With ``category_balanced``: relative weights of the categories named (others keep 1.0),
+    e.g. ``{color_attr: 2, single_object: 0.5}`` to spend more samples where accuracy is lowest.
+    None draws every category equally."""
 
 
 @dataclass
@@ -184,6 +188,15 @@ class TrainConfig:
         if self.data.prompt_file is not None and self.data.prompt_sampling != "uniform":
             raise ValueError(f"data.prompt_sampling={self.data.prompt_sampling!r} needs the shapes world's categories; "
                              "use data.prompt_sampling=uniform with data.prompt_file")
+        if self.data.category_weights is not None:
+            from flowloop.tasks.shapes import CATEGORIES
+
+            weights = dict(self.data.category_weights)
+            if self.data.prompt_sampling != "category_balanced":
+                raise ValueError("data.category_weights needs data.prompt_sampling=category_balanced")
+            _choice("data.category_weights key", next((k for k in weights if k not in CATEGORIES), CATEGORIES[0]), CATEGORIES)
+            if any(w < 0 for w in weights.values()) or sum(weights.get(c, 1.0) for c in CATEGORIES) <= 0:
+                raise ValueError(f"data.category_weights must be >= 0 with at least one category above 0, got {weights}")
         if self.data.val_prompt_file is not None and self.data.prompt_file is None:
             raise ValueError("data.val_prompt_file needs data.prompt_file (the shapes world has its own held-out split)")
         positive = {

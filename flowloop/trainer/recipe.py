@@ -177,7 +177,10 @@ class FlowGRPORecipe:
         count = self.cfg.data.prompts_per_step
         if self.cfg.data.prompt_sampling == "category_balanced":
             pools = self.train_rows_by_category
-            chosen = [pool[rng.integers(len(pool))] for pool in (pools[rng.integers(len(pools))] for _ in range(count))]
+            weights = self.cfg.data.category_weights
+            p = None if weights is None else np.array([float(weights.get(c, 1.0)) for c in shapes.CATEGORIES])
+            categories = (rng.integers(len(pools)) if p is None else rng.choice(len(pools), p=p / p.sum()) for _ in range(count))
+            chosen = [pools[k][rng.integers(len(pools[k]))] for k in categories]
         else:
             rows = self.train_rows
             chosen = [rows[i] for i in rng.choice(len(rows), count, replace=count > len(rows))]

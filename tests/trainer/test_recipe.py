@@ -185,6 +185,22 @@ def test_category_balanced_prompts_cover_every_category(tiny_model_dir, tmp_path
     assert list(recipe.make_batch(step=3)["raw_prompt"]) == list(batch["raw_prompt"])
 
 
+def test_category_weights_shift_the_draw_and_bad_weights_name_the_key(tiny_model_dir, tmp_path):
+    balanced = ("data.prompt_sampling=category_balanced", "data.prompts_per_step=600")
+    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, *balanced,
+                                        "data.category_weights={color_attr: 4, single_object: 0}"), log=lambda _: None)
+    categories = list(recipe.make_batch(step=0)["category"][::4])
+    share = {c: categories.count(c) / len(categories) for c in shapes.CATEGORIES}
+    assert share["single_object"] == 0 and 0.4 < share["color_attr"] < 0.6, share  # 4 / (4 + 4 x 1) = 0.5
+    assert all(0.07 < share[c] < 0.2 for c in ("two_objects", "counting", "colors", "position")), share  # 1/8 each
+    for weights, message in [("{colour_attr: 2}", "data.category_weights key must be one of ['single_object'"),
+                             ("{color_attr: -1}", "data.category_weights must be >= 0")]:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+            tiny_config(tiny_model_dir, tmp_path, *balanced, f"data.category_weights={weights}")
+    with pytest.raises(ValueError, match="data.category_weights needs data.prompt_sampling=category_balanced"):
+        tiny_config(tiny_model_dir, tmp_path, "data.category_weights={color_attr: 2}")
+
+
 def test_eval_of_a_trained_checkpoint(tiny_model_dir, tmp_path):
     from flowloop.cli import main
 
