@@ -2,7 +2,8 @@
 
 Two formats, chosen by the suffix: ``.txt`` (one prompt per line; blank lines and lines starting
 with ``#`` are skipped) and ``.jsonl`` (one object per line with a ``prompt`` string; other
-fields are kept, so a reward can read, say, the text an OCR prompt quotes). Errors name the file
+fields are kept, so a reward can read, say, the text an OCR prompt quotes, and a ``category``
+field splits the training reward by category in ``metrics.jsonl``). Errors name the file
 and the line, so a broken line in a 50k-prompt file is found at once.
 """
 
