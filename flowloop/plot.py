@@ -1,4 +1,4 @@
-"""Learning curves from a run's ``metrics.jsonl``: training reward and held-out accuracy."""
+"""Learning curves from a run's ``metrics.jsonl``: training accuracy by category and held-out accuracy."""
 
 from __future__ import annotations
 
@@ -7,8 +7,30 @@ from pathlib import Path
 from flowloop.trainer.metrics_log import read_metrics
 
 
+def category_training_series(rows: list[dict], window: int = 10) -> dict[str, tuple[list[int], list[float]]]:
+    """``{category: (steps, values)}`` of the training accuracy per prompt category (the mean reward
+    where the reward reports no accuracy), each value the mean of that category's last ``window``
+    logged steps. One step holds a category's one or two groups, so the raw series is too noisy to
+    read; the trailing mean shows whether the category is learning."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    names = sorted({k.split("/")[2] for r in rows for k in r if k.startswith("reward/category/")})
+    for name in names:
+        key = f"reward/category/{name}/correct"
+        if not any(key in r for r in rows):
+            key = f"reward/category/{name}/mean"
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        series[name] = ([s for s, _ in points], trailing_mean([v for _, v in points], window))
+    return series
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Each value replaced by the mean of it and the ``window - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write a two-panel PNG (reward per step; held-out accuracy per validation) and return its path."""
+    """Write a two-panel PNG (training accuracy by category per step; held-out accuracy by
+    category per validation, same colours) and return its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,25 +43,35 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("reward/mean") is not None]
     val = [r for r in rows if r.get("val/accuracy") is not None]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=110)
-    left.plot([r["step"] for r in train], [r["reward/mean"] for r in train], lw=1, label="reward (mean score)")
-    if train and "reward/correct" in train[0]:
-        left.plot([r["step"] for r in train], [r["reward/correct"] for r in train], lw=1, label="train accuracy")
+    by_category = category_training_series(train)
+    val_categories = sorted({k.split("/")[1] for r in val for k in r if k.startswith("val/") and k.endswith("/accuracy") and k.count("/") == 2})
+    palette = plt.get_cmap("tab10")
+    colour = {name: palette(i % 10) for i, name in enumerate(sorted(set(by_category) | set(val_categories)))}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    for name, (steps, values) in by_category.items():
+        left.plot(steps, values, lw=1, color=colour[name], label=name)
+    overall = "reward/correct" if train and "reward/correct" in train[0] else "reward/mean"
+    steps, values = [r["step"] for r in train], [r[overall] for r in train]
+    left.plot(steps, values, "-", color="0.6", lw=0.6)
+    left.plot(steps, trailing_mean(values, 10), "k-", lw=2, label="overall")
     left.set_xlabel("step")
-    left.set_title("training rollouts (SDE)")
-    left.legend(loc="lower right")
+    left.set_ylim(0, 1.02)
+    measure = "accuracy" if overall == "reward/correct" else "reward"
+    left.set_title(f"training {measure} (SDE rollouts; mean of the last 10 steps, grey: each step)", fontsize=9)
     left.grid(alpha=0.3)
-    categories = sorted({k.split("/")[1] for r in val for k in r if k.startswith("val/") and k.endswith("/accuracy") and k.count("/") == 2})
-    for name in categories:
-        right.plot([r["step"] for r in val], [r.get(f"val/{name}/accuracy") for r in val], lw=0.8, alpha=0.6, label=name)
+    for name in val_categories:
+        right.plot([r["step"] for r in val], [r.get(f"val/{name}/accuracy") for r in val], lw=1, color=colour[name], label=name)
     right.plot([r["step"] for r in val], [r["val/accuracy"] for r in val], "k-o", lw=2, ms=3, label="overall")
     right.set_xlabel("step")
-    right.set_ylim(0, 1)
-    right.set_title("held-out accuracy (ODE, fixed seeds)")
-    right.legend(loc="lower right", fontsize=7, ncol=2)
+    right.set_ylim(0, 1.02)
+    right.set_title("held-out accuracy (ODE, fixed seeds)", fontsize=9)
     right.grid(alpha=0.3)
+    handles = {}  # one legend for both panels: a category has the same colour in each
+    for axis in (left, right):
+        handles.update((label, line) for line, label in zip(*axis.get_legend_handles_labels()))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(run_dir.name)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     out = Path(out) if out else run_dir / "curve.png"
     fig.savefig(out)
     plt.close(fig)
