@@ -25,7 +25,11 @@ def category_training_series(rows: list[dict], window: int = 10) -> dict[str, tu
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
     """Each value replaced by the mean of it and the ``window - 1`` before it (fewer at the start)."""
-    return [sum(values[max(0, i + 1 - window):i + 1]) / len(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+    means = []
+    for i in range(len(values)):
+        recent = values[max(0, i + 1 - window):i + 1]
+        means.append(sum(recent) / len(recent))
+    return means
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -194,7 +194,8 @@ class TrainConfig:
             weights = dict(self.data.category_weights)
             if self.data.prompt_sampling != "category_balanced":
                 raise ValueError("data.category_weights needs data.prompt_sampling=category_balanced")
-            _choice("data.category_weights key", next((k for k in weights if k not in CATEGORIES), CATEGORIES[0]), CATEGORIES)
+            for key in weights:
+                _choice("data.category_weights key", key, CATEGORIES)
             if any(w < 0 for w in weights.values()) or sum(weights.get(c, 1.0) for c in CATEGORIES) <= 0:
                 raise ValueError(f"data.category_weights must be >= 0 with at least one category above 0, got {weights}")
         if self.data.val_prompt_file is not None and self.data.prompt_file is None:
