@@ -66,6 +66,19 @@ def test_resume_is_exact(tiny_model_dir, tmp_path):
     assert metrics(tmp_path / "straight" / "shapes") == metrics(tmp_path / "split" / "shapes")
 
 
+def test_validation_never_changes_training(tiny_model_dir, tmp_path):
+    """Validating every step or only at the end trains the same weights: validation draws from its
+    own fixed seeds, so trainer.val_every can be raised to save time without changing a run."""
+    run(tiny_config(tiny_model_dir, tmp_path / "often", "trainer.total_steps=3", "trainer.val_every=1"), log=lambda _: None)
+    run(tiny_config(tiny_model_dir, tmp_path / "once", "trainer.total_steps=3", "trainer.val_every=3"), log=lambda _: None)
+    often = load_file(tmp_path / "often" / "shapes" / "checkpoints" / "step_000003" / "model.safetensors")
+    once = load_file(tmp_path / "once" / "shapes" / "checkpoints" / "step_000003" / "model.safetensors")
+    assert all(torch.equal(often[k], once[k]) for k in often)
+    training = [[{k: v for k, v in r.items() if not k.startswith("val/")} for r in metrics(tmp_path / d / "shapes") if "reward/mean" in r]
+                for d in ("often", "once")]
+    assert training[0] == training[1] and len(training[0]) == 3
+
+
 def test_linear_lr_schedule_reaches_its_floor_at_the_last_planned_step(tiny_model_dir, tmp_path):
     # 2 prompts x 4 samples, mini-batches of 4: 2 optimizer steps per RL step, 4 planned in all.
     run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2", "actor.lr_schedule=linear",
