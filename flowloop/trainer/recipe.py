@@ -66,6 +66,12 @@ class FlowGRPORecipe:
             self.train_rows = [{"raw_prompt": p, "category": shapes.category_of(shapes.parse_prompt(p))}
                                for p in shapes.split_prompts(cfg.data.train_split)]
             self.train_rows_by_category = [[row for row in self.train_rows if row["category"] == c] for c in shapes.CATEGORIES]
+            weights = cfg.data.category_weights
+            self.category_probs = None
+            """Draw probabilities of ``shapes.CATEGORIES`` under ``data.category_weights``; None: uniform."""
+            if weights is not None:
+                self.category_probs = np.array([float(weights.get(c, 1.0)) for c in shapes.CATEGORIES])
+                self.category_probs /= self.category_probs.sum()
 
     # -- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -176,11 +182,11 @@ class FlowGRPORecipe:
         rng = np.random.default_rng([self.cfg.trainer.seed, step])
         count = self.cfg.data.prompts_per_step
         if self.cfg.data.prompt_sampling == "category_balanced":
-            pools = self.train_rows_by_category
-            weights = self.cfg.data.category_weights
-            p = None if weights is None else np.array([float(weights.get(c, 1.0)) for c in shapes.CATEGORIES])
-            categories = (rng.integers(len(pools)) if p is None else rng.choice(len(pools), p=p / p.sum()) for _ in range(count))
-            chosen = [pools[k][rng.integers(len(pools[k]))] for k in categories]
+            pools, probs = self.train_rows_by_category, self.category_probs
+            chosen = []
+            for _ in range(count):  # category, then prompt, interleaved: the draw order resume relies on
+                pool = pools[rng.integers(len(pools)) if probs is None else rng.choice(len(pools), p=probs)]
+                chosen.append(pool[rng.integers(len(pool))])
         else:
             rows = self.train_rows
             chosen = [rows[i] for i in rng.choice(len(rows), count, replace=count > len(rows))]
