@@ -61,6 +61,12 @@ class DataConfig:
     """With ``category_balanced``: relative weights of the categories named (others keep 1.0),
     e.g. ``{color_attr: 2, single_object: 0.5}`` to spend more samples where accuracy is lowest.
     None draws every category equally."""
+    category_focus: float = 0.0
+    """With ``category_balanced``: > 0 scales each category's weight by ``max(1 - a, 0.1) ** focus``
+    every step, ``a`` being the moving average of its recent training accuracy
+    (`flowloop.trainer.category_focus`), so samples go where the policy still fails and return to a
+    category that starts failing again. 0 (off) keeps the draw fixed, as the default recipe's
+    results were measured."""
 
 
 @dataclass
@@ -198,6 +204,10 @@ class TrainConfig:
                 _choice("data.category_weights key", key, CATEGORIES)
             if any(w < 0 for w in weights.values()) or sum(weights.get(c, 1.0) for c in CATEGORIES) <= 0:
                 raise ValueError(f"data.category_weights must be >= 0 with at least one category above 0, got {weights}")
+        if self.data.category_focus < 0:
+            raise ValueError(f"data.category_focus must be >= 0 (0 turns it off), got {self.data.category_focus}")
+        if self.data.category_focus > 0 and self.data.prompt_sampling != "category_balanced":
+            raise ValueError("data.category_focus needs data.prompt_sampling=category_balanced")
         if self.data.val_prompt_file is not None and self.data.prompt_file is None:
             raise ValueError("data.val_prompt_file needs data.prompt_file (the shapes world has its own held-out split)")
         positive = {

@@ -30,6 +30,7 @@ from flowloop.rollout.types import SamplingParams
 from flowloop.tasks import shapes
 from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
 from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
+from flowloop.trainer.category_focus import CategoryFocus
 from flowloop.trainer.checkpoint import (
     capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
 )
@@ -72,6 +73,11 @@ class FlowGRPORecipe:
             if weights is not None:
                 self.category_probs = np.array([float(weights.get(c, 1.0)) for c in shapes.CATEGORIES])
                 self.category_probs /= self.category_probs.sum()
+        self.focus = None
+        """`CategoryFocus` under ``data.category_focus > 0``: the draw probabilities then change every step."""
+        if cfg.data.category_focus > 0:
+            base = self.category_probs if self.category_probs is not None else np.ones(len(shapes.CATEGORIES))
+            self.focus = CategoryFocus(list(shapes.CATEGORIES), base, cfg.data.category_focus)
 
     # -- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -166,9 +172,13 @@ class FlowGRPORecipe:
             if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()
+        by_category = category_reward_means(out, rewards)
+        if self.focus is not None:
+            metrics.update({f"data/category_prob/{c}": float(p) for c, p in zip(self.focus.categories, self.focus.probs())})
+            self.focus.observe(category_accuracy(by_category))
         metrics.update({
             **reward_extra_means(out),
-            **category_reward_means(out, rewards),
+            **by_category,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
             "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
@@ -182,7 +192,8 @@ class FlowGRPORecipe:
         rng = np.random.default_rng([self.cfg.trainer.seed, step])
         count = self.cfg.data.prompts_per_step
         if self.cfg.data.prompt_sampling == "category_balanced":
-            pools, probs = self.train_rows_by_category, self.category_probs
+            pools = self.train_rows_by_category
+            probs = self.focus.probs() if self.focus is not None else self.category_probs
             chosen = []
             for _ in range(count):  # category, then prompt, interleaved: the draw order resume relies on
                 pool = pools[rng.integers(len(pools)) if probs is None else rng.choice(len(pools), p=probs)]
@@ -258,6 +269,8 @@ class FlowGRPORecipe:
             extra["tracker"] = self.tracker.state_dict()
         if self.actor.ema is not None:
             extra["ema"] = self.actor.ema
+        if self.focus is not None:
+            extra["category_focus"] = self.focus.state_dict()
         state = capture_rng_state()
         state["trainer_generator"] = self.generator.get_state()
         return save_checkpoint(self.run_dir, step, self.actor.trainable_state(), self.actor.optimizer, [self.actor.scheduler],
@@ -272,6 +285,8 @@ class FlowGRPORecipe:
         self.guard.load_state_dict(loaded.extra["guard"])
         if self.tracker is not None:
             self.tracker.load_state_dict(loaded.extra["tracker"])
+        if self.focus is not None:
+            self.focus.load_state_dict(loaded.extra["category_focus"])
         if self.actor.ema is not None:
             self.actor.ema = {k: v.to(next(self.actor.module.parameters()).device) for k, v in loaded.extra["ema"].items()}
         self.history = json.loads(loaded.extra["history"])
@@ -313,6 +328,14 @@ def reward_extra_means(out: Batch) -> dict[str, float]:
         if values and all(isinstance(v, (bool, int, float, np.bool_, np.number)) for v in values):
             means[key if key.startswith("reward/") else f"reward/{key}"] = float(np.mean([float(v) for v in values]))
     return means
+
+
+def category_accuracy(by_category: dict[str, float]) -> dict[str, float]:
+    """Each category's training accuracy from `category_reward_means`' figures: the ``correct``
+    share when the reward reports one (the shapes rewards), else the mean reward."""
+    names = {key.split("/")[2] for key in by_category}
+    return {name: by_category.get(f"reward/category/{name}/correct", by_category[f"reward/category/{name}/mean"])
+            for name in names}
 
 
 def category_reward_means(out: Batch, rewards: torch.Tensor) -> dict[str, float]:

@@ -237,3 +237,22 @@ def test_ema_follows_the_weights_at_decay_0_and_stays_at_the_base_at_1(tiny_mode
     assert loaded.extra["ema"].keys() == base.keys()
     assert all(torch.equal(loaded.extra["ema"][k], reference[k]) for k in base)
     assert any(not torch.equal(loaded.model_state[k], base[k]) for k in base)
+
+
+def test_category_focus_moves_the_draw_and_resumes_exactly(tiny_model_dir, tmp_path):
+    args = ("trainer.total_steps=4", "data.prompt_sampling=category_balanced", "data.category_focus=2")
+    run(tiny_config(tiny_model_dir, tmp_path / "straight", *args), log=lambda _: None)
+    run(tiny_config(tiny_model_dir, tmp_path / "split", *args[1:], "trainer.total_steps=2"), log=lambda _: None)
+    run(tiny_config(tiny_model_dir, tmp_path / "split", *args, "trainer.resume=auto"), log=lambda _: None)
+    rows = [r for r in metrics(tmp_path / "straight" / "shapes") if "reward/mean" in r]
+    probs = [[r[f"data/category_prob/{c}"] for c in shapes.CATEGORIES] for r in rows]
+    assert probs[0] == pytest.approx([1 / 6] * 6) and sum(probs[-1]) == pytest.approx(1.0)
+    assert probs[-1] != pytest.approx(probs[0])  # the categories seen so far were re-weighted
+    assert metrics(tmp_path / "straight" / "shapes") == metrics(tmp_path / "split" / "shapes")
+    straight = load_file(tmp_path / "straight" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
+    resumed = load_file(tmp_path / "split" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    for override, message in [("data.category_focus=-1", "data.category_focus must be >= 0"),
+                              ("data.prompt_sampling=uniform", "data.category_focus needs data.prompt_sampling=category_balanced")]:
+        with pytest.raises(ValueError, match=message):
+            tiny_config(tiny_model_dir, tmp_path, *args, override)
