@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from flowloop.allocator import keep_freed_memory
+
 DEFAULT_SEED = 0
 DEFAULT_RECIPE = Path(__file__).resolve().parent / "config" / "recipes" / "shapes.yaml"
 
@@ -178,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # for every command's torch work, the trainer's updates included
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as err:

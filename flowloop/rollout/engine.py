@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flowloop.allocator import keep_freed_memory
 from flowloop.models.base import FlowModel
 from flowloop.models.prompt_ids import encode_chat
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest, SamplingParams
@@ -79,6 +80,7 @@ class RolloutEngine:
     """Batched sampling over a `FlowModel`: ``sample(requests) -> [DiffusionOutput]``."""
 
     def __init__(self, model: FlowModel):
+        keep_freed_memory()  # batch activations reuse heap pages instead of faulting in new ones
         self.model = model
         self._empty_prompt_ids = encode_chat(model.tokenizer, [{"role": "user", "content": ""}])  # the unconditional prompt
 
