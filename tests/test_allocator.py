@@ -57,4 +57,3 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(allocator, "_applied", None)
     monkeypatch.setenv("FLOWLOOP_MALLOC_TUNING", "0")
     assert keep_freed_memory() is False
-    monkeypatch.setattr(allocator, "_applied", None)  # let the next caller apply it again
