@@ -2,11 +2,12 @@
 
 Why: PyTorch's CPU allocator is plain ``malloc``. glibc serves large blocks (a batch's activations,
 several MB each) with ``mmap`` and returns freed heap tops to the kernel, so every forward pass
-maps fresh pages and takes a page fault on each first touch: measured on the shipped tiny DiT at
-batch 64 on a 2-core EPYC, 100 to 38,000 minor faults per forward and 4.2-5.0 ms a sample,
-against 0-3 faults and 3.6-4.0 ms with the settings below (`benchmarks/dit_roofline.py`). The
-results are bit-for-bit the same: only where memory comes from changes. The cost is that the
-process keeps its peak heap size until it exits.
+maps fresh pages and takes a page fault on each first touch: measured on the shipped tiny DiT on
+a 2-core EPYC, thousands of minor faults per forward (batch 16: 3,200-9,400), none with the
+settings below, and about 10% more rollout throughput and 8-10% shorter training steps
+(`benchmarks/results/bench_cpu_rollout_server.txt`). The results are bit-for-bit the same: only
+where memory comes from changes. The cost is that the process keeps its peak heap size until it
+exits.
 
 ``FLOWLOOP_MALLOC_TUNING=0`` leaves the allocator alone. Elsewhere than glibc (macOS, musl) this
 is a no-op.
