@@ -6,8 +6,9 @@ The rollout server's speed-up over one-at-a-time sampling is bounded by how much
 runs per sample in a batch. This prints the DiT's FLOPs per forward (`torch.utils.flop_counter`),
 its time and GFLOP/s at batch 1 and at ``--batch``, and two ceilings measured on the same
 threads: a large square matmul (the machine's practical peak) and a matmul of the DiT's own
-MLP shape at the batched size ([B*80 tokens, 160] x [160, 640]). The ratio "peak / batch-1 rate"
-is the most any batching could give the DiT alone.
+MLP shape at the batched size ([B x tokens, hidden] x [hidden, mlp]; for the shipped model
+[B*80, 160] x [160, 640]). The ratio "peak / batch-1 rate" is the most any batching could give
+the DiT alone.
 """
 
 from __future__ import annotations
@@ -64,8 +65,12 @@ def main() -> None:
             rates[b] = flops * b / seconds / 1e9
             print(f"  batch {b:3d}: {seconds / b * 1e3:6.2f} ms a sample, {rates[b]:6.1f} GFLOP/s")
         print(f"  batching gain of the DiT alone: {rates[args.batch] / rates[1]:.2f}x")
+        tokens = text.shape[1] + (32 // dit.config.patch_size) ** 2  # joint sequence: text, then image patches
+        hidden = dit.config.hidden_size
+        mlp = int(hidden * dit.config.mlp_ratio)
+        rows = args.batch * tokens
         for name, (m, k, n) in {"square matmul 2048^3": (2048, 2048, 2048),
-                                f"DiT MLP shape [{args.batch * 80}, 160] x [160, 640]": (args.batch * 80, 160, 640)}.items():
+                                f"DiT MLP shape [{rows}, {hidden}] x [{hidden}, {mlp}]": (rows, hidden, mlp)}.items():
             a, w = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             rate = 2 * m * k * n / median_seconds(lambda: a @ w, args.repeats) / 1e9
             print(f"  {name}: {rate:6.1f} GFLOP/s  ({rate / rates[1]:.2f}x the batch-1 DiT rate)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowloop.trainer.metrics_log import read_metrics
+from flowloop.trainer.metrics_log import CATEGORY_PREFIX, accuracy_key, category_names, read_metrics
 
 
 def category_training_series(rows: list[dict], window: int = 10) -> dict[str, tuple[list[int], list[float]]]:
@@ -13,11 +13,9 @@ def category_training_series(rows: list[dict], window: int = 10) -> dict[str, tu
     logged steps. One step holds a category's one or two groups, so the raw series is too noisy to
     read; the trailing mean shows whether the category is learning."""
     series: dict[str, tuple[list[int], list[float]]] = {}
-    names = sorted({k.split("/")[2] for r in rows for k in r if k.startswith("reward/category/")})
-    for name in names:
-        key = f"reward/category/{name}/correct"
-        if not any(key in r for r in rows):
-            key = f"reward/category/{name}/mean"
+    keys = {k for r in rows for k in r}
+    for name in category_names(keys):
+        key = accuracy_key(f"{CATEGORY_PREFIX}{name}", keys)
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         series[name] = ([s for s, _ in points], trailing_mean([v for _, v in points], window))
     return series
@@ -54,7 +52,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
     for name, (steps, values) in by_category.items():
         left.plot(steps, values, lw=1, color=colour[name], label=name)
-    overall = "reward/correct" if train and "reward/correct" in train[0] else "reward/mean"
+    overall = accuracy_key("reward", train[0] if train else {})
     steps, values = [r["step"] for r in train], [r[overall] for r in train]
     left.plot(steps, values, "-", color="0.6", lw=0.6)
     left.plot(steps, trailing_mean(values, 10), "k-", lw=2, label="overall")

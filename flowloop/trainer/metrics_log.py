@@ -189,6 +189,22 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+CATEGORY_PREFIX = "reward/category/"
+"""Where `flowloop.trainer.recipe.category_reward_means` logs each prompt category's training reward."""
+
+
+def category_names(keys) -> list[str]:
+    """The prompt categories named by ``reward/category/<name>/...`` metric keys, sorted."""
+    return sorted({key.split("/")[2] for key in keys if key.startswith(CATEGORY_PREFIX)})
+
+
+def accuracy_key(prefix: str, keys) -> str:
+    """``<prefix>/correct`` when ``keys`` hold it (the reward reports an accuracy, as the shapes
+    rewards do), else ``<prefix>/mean``: the one rule for "how often right" that `flowloop plot`
+    and the category focus share."""
+    return f"{prefix}/correct" if f"{prefix}/correct" in keys else f"{prefix}/mean"
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------

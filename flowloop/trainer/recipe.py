@@ -36,7 +36,7 @@ from flowloop.trainer.checkpoint import (
 )
 from flowloop.trainer.evaluate import score_images, to_uint8_images
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
-from flowloop.trainer.metrics_log import MetricsLogger, ProgressLine
+from flowloop.trainer.metrics_log import CATEGORY_PREFIX, MetricsLogger, ProgressLine, accuracy_key, category_names
 from flowloop.trainer.prompt_data import load_prompt_file
 from flowloop.visual import save_grid
 
@@ -331,11 +331,8 @@ def reward_extra_means(out: Batch) -> dict[str, float]:
 
 
 def category_accuracy(by_category: dict[str, float]) -> dict[str, float]:
-    """Each category's training accuracy from `category_reward_means`' figures: the ``correct``
-    share when the reward reports one (the shapes rewards), else the mean reward."""
-    names = {key.split("/")[2] for key in by_category}
-    return {name: by_category.get(f"reward/category/{name}/correct", by_category[f"reward/category/{name}/mean"])
-            for name in names}
+    """Each category's training accuracy from `category_reward_means`' figures (`accuracy_key`)."""
+    return {name: by_category[accuracy_key(f"{CATEGORY_PREFIX}{name}", by_category)] for name in category_names(by_category)}
 
 
 def category_reward_means(out: Batch, rewards: torch.Tensor) -> dict[str, float]:
@@ -350,9 +347,9 @@ def category_reward_means(out: Batch, rewards: torch.Tensor) -> dict[str, float]
     correct = list(out["correct"]) if "correct" in out else None
     for name in sorted({c for c in categories if c is not None}, key=str):
         rows = [i for i, c in enumerate(categories) if c == name]
-        means[f"reward/category/{name}/mean"] = float(rewards[rows].mean())
+        means[f"{CATEGORY_PREFIX}{name}/mean"] = float(rewards[rows].mean())
         if correct is not None:
-            means[f"reward/category/{name}/correct"] = float(np.mean([float(correct[i]) for i in rows]))
+            means[f"{CATEGORY_PREFIX}{name}/correct"] = float(np.mean([float(correct[i]) for i in rows]))
     return means
 
 
