@@ -69,11 +69,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the model runs (outputs always come back to the CPU)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights and activations")
+    parser.add_argument("--cpu-shards", type=int, default=None,
+                        help="RolloutEngine cpu_shards: slices of a batch run side by side (default: one per intra-op thread; 1: off)")
     args = parser.parse_args()
 
     def setup() -> tuple:
         model = load_flow_model(device=args.device, dtype=getattr(torch, args.dtype))
-        engine = RolloutEngine(model)
+        engine = RolloutEngine(model, cpu_shards=args.cpu_shards)
         engine.sample(make_requests(model, 16, "warmup"))  # first-call costs out of the way
         engine.sample(make_requests(model, 1, "warmup"))
         return model, engine
@@ -82,7 +84,7 @@ def main() -> None:
     hardware = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine()
     print(f"{hardware}, torch {torch.__version__}, torch.get_num_threads()={torch.get_num_threads()}")
     print(f"shipped tiny model ({args.dtype}), 32x32, 10 steps, sde, {args.requests} requests, "
-          f"max_batch_size={args.max_batch_size}, max_wait_ms={args.max_wait_ms}")
+          f"max_batch_size={args.max_batch_size}, max_wait_ms={args.max_wait_ms}, cpu_shards={args.cpu_shards}")
 
     single, served, batch_sizes = [], [], []
 

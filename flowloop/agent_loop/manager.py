@@ -69,7 +69,7 @@ class AgentLoopManager:
         )
         # 1. Rollout replicas; 2. reward workers; 3. agent-loop workers, reaching both through handles.
         s = config.server
-        servers = [make_actor(RolloutServer, mode, RolloutEngine(model), s.max_batch_size, s.max_wait_ms) for _ in range(num_replicas)]
+        servers = [make_actor(RolloutServer, mode, RolloutEngine(model, s.cpu_shards), s.max_batch_size, s.max_wait_ms) for _ in range(num_replicas)]
         rewards = []
         if config.reward.name is not None:
             r = config.reward

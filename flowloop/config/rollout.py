@@ -79,6 +79,11 @@ class ServerConfig:
     """How long the oldest queued request waits for its batch to fill; 5 ms is noise next to a
     sampling call. Results can move in the last bits with batch size (matmul kernels): wait
     longer than requests take to arrive to get the same batches, hence bitwise-equal runs."""
+    cpu_shards: Optional[int] = None
+    """On a CPU, a batch of at least 16 rows runs as up to this many slices side by side, each
+    on its share of the intra-op threads (a slice has 8 rows or more; `RolloutEngine`). None:
+    one slice per intra-op thread, which for the shipped model gives 10-20% more samples/s on
+    2 cores than one batch split op by op; 1: off. Ignored on a GPU. Results do not change."""
 
 
 @dataclass
@@ -161,6 +166,8 @@ class RolloutConfig:
             section, name = key.split(".")
             if getattr(getattr(self, section), name) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(getattr(self, section), name)}")
+        if self.server.cpu_shards is not None and self.server.cpu_shards < 1:
+            raise ValueError(f"server.cpu_shards must be >= 1 (1: off) or null (one per intra-op thread), got {self.server.cpu_shards}")
         for key, value in (("reward.max_wait_ms", self.reward.max_wait_ms), ("server.max_wait_ms", self.server.max_wait_ms)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0, got {value}")

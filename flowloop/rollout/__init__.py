@@ -7,13 +7,14 @@
 """
 
 from flowloop.rollout.client import RolloutClient
-from flowloop.rollout.engine import RolloutEngine, guided_velocity
+from flowloop.rollout.engine import MIN_SHARD_ROWS, RolloutEngine, guided_velocity
 from flowloop.rollout.server import RolloutServer
 from flowloop.rollout.types import SAMPLERS, DiffusionOutput, RolloutRequest, SamplingParams
 
 __all__ = [
     "SAMPLERS",
     "DiffusionOutput",
+    "MIN_SHARD_ROWS",
     "RolloutClient",
     "RolloutEngine",
     "RolloutRequest",

@@ -5,7 +5,9 @@ own initial noise; the batch shares the text encoder pass (each distinct prompt 
 every denoiser call. Rows step with the SDE inside their window and with Euler outside it, so
 requests with different windows share a batch. Everything a row's result depends on is its own,
 so a request gives the same sample alone or in any batch (up to the model's kernels; see
-`tests/rollout/test_engine.py::test_batch_invariance`).
+`tests/rollout/test_engine.py::test_batch_invariance`). For the same reason a large batch on a
+CPU can run as slices on separate threads, each with its share of the cores (``cpu_shards``):
+for a small model that beats splitting every op across the cores.
 
 A request's generator is used in this fixed order: (1) the SDE window start (only when
 ``sde_window_size`` is set), (2) the initial noise, (3) the noise of each SDE step, in step
@@ -27,12 +29,17 @@ from dataclasses import dataclass, field
 import torch
 
 from flowloop.allocator import keep_freed_memory
+from flowloop.compute import shard_executor
 from flowloop.models.base import FlowModel
 from flowloop.models.prompt_ids import encode_chat
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest, SamplingParams
 from flowloop.sampling import apply_cfg, get_step, needs_uncond, ode_step, randn_per_sample, sde_window, sigmas
 
-__all__ = ["NEGATIVE", "RolloutEngine", "guided_velocity"]
+__all__ = ["MIN_SHARD_ROWS", "NEGATIVE", "RolloutEngine", "guided_velocity"]
+
+MIN_SHARD_ROWS = 8
+"""Fewest rows a CPU slice gets: smaller slices lose more to per-op overhead than a second
+thread costs (and, on the 2-core machine the benchmarks name, give other last bits)."""
 
 NEGATIVE = "negative_"
 """Prefix of the negative (or empty) prompt's conditioning fields, used with CFG."""
@@ -79,9 +86,16 @@ class _Record:
 class RolloutEngine:
     """Batched sampling over a `FlowModel`: ``sample(requests) -> [DiffusionOutput]``."""
 
-    def __init__(self, model: FlowModel):
+    def __init__(self, model: FlowModel, cpu_shards: int | None = None):
+        """``cpu_shards``: on a CPU, run a batch as up to this many slices side by side, each on
+        its own share of the intra-op threads (`flowloop.compute.shard_executor`); a slice
+        gets at least ``MIN_SHARD_ROWS`` rows. None: one slice per intra-op thread; 1: never
+        slice. A row's result does not depend on the slicing (batch invariance)."""
+        if cpu_shards is not None and (isinstance(cpu_shards, bool) or not isinstance(cpu_shards, int) or cpu_shards < 1):
+            raise ValueError(f"cpu_shards must be None (one per thread) or an int >= 1, got {cpu_shards!r}")
         keep_freed_memory()  # batch activations reuse heap pages instead of faulting in new ones
         self.model = model
+        self.cpu_shards = cpu_shards
         self._empty_prompt_ids = encode_chat(model.tokenizer, [{"role": "user", "content": ""}])  # the unconditional prompt
 
     # -- intake -------------------------------------------------------------------------
@@ -133,22 +147,44 @@ class RolloutEngine:
         was_training = module.training
         module.eval()
         try:
-            # 2. Per request: generator, SDE window, initial noise (in this order).
-            generators = [torch.Generator("cpu").manual_seed(_seed(r.sampling_params)) for r in requests]
-            windows = [self._window(params, g) for g in generators]
-            shape = self.model.latent_shape(params.height, params.width, params.num_frames)
-            latents = randn_per_sample(generators, (len(requests), *shape)).to(device)  # [B, *shape]
-            # 3. Prompts, each distinct one encoded once.
-            embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
-            # 4. Denoise, recording each row inside its window.
-            latents, records = self._denoise(latents, params, generators, windows, embeds)
-            # 5. Decode.
-            images = self.model.decode(latents).float()  # [B, C, H, W] or [B, T, C, H, W]
+            slices = _slices(len(requests), self._shards(device))
+            if len(slices) == 1:
+                outputs = self._sample_rows(requests, params, device)
+            else:
+                pool = shard_executor(len(slices), max(1, torch.get_num_threads() // len(slices)))
+                parts = [pool.submit(self._sample_rows, requests[s], params, device) for s in slices]
+                outputs = [out for part in parts for out in part.result()]
         finally:
             module.train(was_training)
-        metrics = {"generate_time": time.perf_counter() - start, "batch_size": float(len(requests))}
+        metrics = {"generate_time": time.perf_counter() - start, "batch_size": float(len(requests)),
+                   "cpu_shards": float(len(slices))}
+        for out in outputs:
+            out.metrics.update(metrics)
+        return outputs
+
+    def _shards(self, device: torch.device) -> int:
+        """How many slices a large batch may run as: 1 on a GPU."""
+        if device.type != "cpu":
+            return 1
+        return torch.get_num_threads() if self.cpu_shards is None else self.cpu_shards
+
+    @torch.no_grad()  # again: grad mode is per thread, and shards run on their own threads
+    def _sample_rows(self, requests: Sequence[RolloutRequest], params: SamplingParams,
+                     device: torch.device) -> list[DiffusionOutput]:
+        """Steps 2-5 of `sample` for some rows: noise, prompts, denoising, decoding."""
+        # 2. Per request: generator, SDE window, initial noise (in this order).
+        generators = [torch.Generator("cpu").manual_seed(_seed(r.sampling_params)) for r in requests]
+        windows = [self._window(params, g) for g in generators]
+        shape = self.model.latent_shape(params.height, params.width, params.num_frames)
+        latents = randn_per_sample(generators, (len(requests), *shape)).to(device)  # [B, *shape]
+        # 3. Prompts, each distinct one encoded once.
+        embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
+        # 4. Denoise, recording each row inside its window.
+        latents, records = self._denoise(latents, params, generators, windows, embeds)
+        # 5. Decode.
+        images = self.model.decode(latents).float()  # [B, C, H, W] or [B, T, C, H, W]
         return [
-            _output(r, images[b], embeds, b, records[b] if params.logprobs else None, metrics)
+            _output(r, images[b], embeds, b, records[b] if params.logprobs else None, {})
             for b, r in enumerate(requests)
         ]
 
@@ -228,6 +264,13 @@ class RolloutEngine:
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def _slices(batch: int, shards: int) -> list[slice]:
+    """Contiguous row ranges of at least ``MIN_SHARD_ROWS`` (one range for a small batch)."""
+    count = max(1, min(shards, batch // MIN_SHARD_ROWS))
+    bounds = [batch * k // count for k in range(count + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _seed(params: SamplingParams) -> int:

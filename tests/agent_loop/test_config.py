@@ -36,6 +36,7 @@ def test_overrides_reach_the_sampling_params():
         ("agent.num_workers=0", r"agent.num_workers must be >= 1"),
         ("prompt_length=0", r"prompt_length must be >= 1"),
         ("reward.max_wait_ms=-1", r"reward.max_wait_ms must be >= 0"),
+        ("server.cpu_shards=0", r"server.cpu_shards must be >= 1 \(1: off\) or null"),
         ("agent.num_wrkers=2", r"unknown config key"),
     ],
 )
