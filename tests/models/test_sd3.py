@@ -106,3 +106,19 @@ def test_an_unsupported_pipeline_lists_the_supported_ones(sd3_dir, tmp_path):
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(ValueError, match=r"'StableDiffusionXLPipeline'; supported: \[.*'FluxPipeline'.*'StableDiffusion3Pipeline'"):
         load_flow_model(other)
+
+
+def test_cpu_shards_give_the_unsliced_samples(model):
+    """A diffusers transformer shared by two shard threads: each row's sample is the unsliced one."""
+    from flowloop.models.prompt_ids import encode_chat
+    from flowloop.rollout import RolloutEngine, RolloutRequest
+
+    ids = [encode_chat(model.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    requests = [RolloutRequest(f"r{k}", ids[k % 2], SamplingParams(height=32, width=32, num_inference_steps=2,
+                                                                   guidance_scale=4.5, seed=k)) for k in range(16)]
+    whole = RolloutEngine(model, cpu_shards=1).sample(requests)
+    sliced = RolloutEngine(model, cpu_shards=2).sample(requests)
+    assert sliced[0].metrics["cpu_shards"] == 2.0
+    for a, b in zip(whole, sliced):
+        assert (a.log_probs - b.log_probs).abs().max() <= 1e-6
+        assert (a.diffusion_output - b.diffusion_output).abs().max() <= 1e-5
