@@ -82,8 +82,9 @@ class ServerConfig:
     cpu_shards: Optional[int] = None
     """On a CPU, a batch of at least 16 rows runs as up to this many slices side by side, each
     on its share of the intra-op threads (a slice has 8 rows or more; `RolloutEngine`). None:
-    one slice per intra-op thread, which for the shipped model gives 10-20% more samples/s on
-    2 cores than one batch split op by op; 1: off. Ignored on a GPU. Results do not change."""
+    one single-thread slice per intra-op thread when there are at most 2 (25% shorter sampling
+    in `flowloop train` on 2 cores), none on larger CPUs, where it measured slower; 1: off.
+    Ignored on a GPU. Results do not change."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 
 from flowloop.compute import shard_executor
 from flowloop.rollout import MIN_SHARD_ROWS, RolloutEngine
+from flowloop.rollout.engine import AUTO_SHARD_MAX_THREADS
 from tests.rollout.helpers import mixed_requests
 
 
@@ -58,3 +59,14 @@ def test_shard_threads_keep_their_thread_count_and_leave_the_default_alone():
 def test_bad_cpu_shards_is_a_value_error(model, value):
     with pytest.raises(ValueError, match="cpu_shards"):
         RolloutEngine(model, cpu_shards=value)
+
+
+@pytest.mark.parametrize("threads, slices", [(2, 2), (AUTO_SHARD_MAX_THREADS + 2, 1)])
+def test_by_default_only_small_cpus_slice(model, threads, slices):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outputs = RolloutEngine(model).sample(mixed_requests(model, 4 * MIN_SHARD_ROWS))
+    finally:
+        torch.set_num_threads(before)
+    assert outputs[0].metrics["cpu_shards"] == float(slices)
