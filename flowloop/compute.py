@@ -50,8 +50,8 @@ def _remember_thread() -> None:
 
 
 # -- CPU shards -------------------------------------------------------------------------------
-# A small model's batch runs faster as slices on separate cores, each slice on one intra-op
-# thread, than as one batch whose every op is split across the cores: small elementwise ops,
+# On two cores, a small model's batch runs faster as slices on separate cores, each slice on one
+# intra-op thread, than as one batch whose every op is split across the cores: small elementwise ops,
 # layer norms and attention of a few hundred rows gain little from a second thread but pay its
 # fork/join each time (shipped tiny DiT, 2 cores, batch 64: 3.3-3.9 vs 4.2-4.6 ms a sample).
 _shard_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}

@@ -168,7 +168,7 @@ class RolloutConfig:
             if getattr(getattr(self, section), name) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(getattr(self, section), name)}")
         if self.server.cpu_shards is not None and self.server.cpu_shards < 1:
-            raise ValueError(f"server.cpu_shards must be >= 1 (1: off) or null (one per intra-op thread), got {self.server.cpu_shards}")
+            raise ValueError(f"server.cpu_shards must be >= 1 (1: off) or null (auto: one per thread on a CPU with <= 2), got {self.server.cpu_shards}")
         for key, value in (("reward.max_wait_ms", self.reward.max_wait_ms), ("server.max_wait_ms", self.server.max_wait_ms)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0, got {value}")

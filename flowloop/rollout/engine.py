@@ -7,7 +7,7 @@ requests with different windows share a batch. Everything a row's result depends
 so a request gives the same sample alone or in any batch (up to the model's kernels; see
 `tests/rollout/test_engine.py::test_batch_invariance`). For the same reason a large batch on a
 CPU can run as slices on separate threads, each with its share of the cores (``cpu_shards``):
-for a small model that beats splitting every op across the cores.
+for a small model on two cores that beats splitting every op across them.
 
 A request's generator is used in this fixed order: (1) the SDE window start (only when
 ``sde_window_size`` is set), (2) the initial noise, (3) the noise of each SDE step, in step
@@ -100,7 +100,7 @@ class RolloutEngine:
         with at most ``AUTO_SHARD_MAX_THREADS`` of them, else none; 1: never slice. A row's
         result does not depend on the slicing (batch invariance)."""
         if cpu_shards is not None and (isinstance(cpu_shards, bool) or not isinstance(cpu_shards, int) or cpu_shards < 1):
-            raise ValueError(f"cpu_shards must be None (one per thread) or an int >= 1, got {cpu_shards!r}")
+            raise ValueError(f"cpu_shards must be None (auto) or an int >= 1, got {cpu_shards!r}")
         keep_freed_memory()  # batch activations reuse heap pages instead of faulting in new ones
         self.model = model
         self.cpu_shards = cpu_shards
