@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model runs (outputs always come back to the CPU)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights and activations")
     parser.add_argument("--cpu-shards", type=int, default=None,
-                        help="RolloutEngine cpu_shards: slices of a batch run side by side (default: one per intra-op thread; 1: off)")
+                        help="RolloutEngine cpu_shards: slices of a batch run side by side (default: one per thread on a CPU with <= 2 threads; 1: off)")
     args = parser.parse_args()
 
     def setup() -> tuple:
