@@ -12,7 +12,8 @@ Prints samples/s of each, the speed-up, the server's mean batch size, and
 math stays float32). Each mode runs ``--repeats`` times, interleaved, against one long-lived
 server warmed up before timing; the median counts (the machine may be shared). All torch work,
 model set-up included, runs on the compute thread (`flowloop.compute`) the server uses, so the
-process has one OpenMP team and neither mode is slowed by the other's thread.
+process has one OpenMP team and neither mode is slowed by the other's thread (CPU shard threads,
+``--cpu-shards``, run one intra-op thread each and form no team).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One thread per process for the rollout server's batches, and for other torch work that wants it.
+"""The threads a process samples on: one compute thread for the rollout server's batches (and other
+torch work that wants it), and, on small CPUs, shard threads that run slices of a large batch.
 
 Why: PyTorch's CPU build parallelises with libgomp, which gives every thread that enters a
 parallel region its own team of worker threads. Once two threads have done so, the process holds

@@ -7,11 +7,12 @@
 """
 
 from flowloop.rollout.client import RolloutClient
-from flowloop.rollout.engine import MIN_SHARD_ROWS, RolloutEngine, guided_velocity
+from flowloop.rollout.engine import AUTO_SHARD_MAX_THREADS, MIN_SHARD_ROWS, RolloutEngine, guided_velocity
 from flowloop.rollout.server import RolloutServer
 from flowloop.rollout.types import SAMPLERS, DiffusionOutput, RolloutRequest, SamplingParams
 
 __all__ = [
+    "AUTO_SHARD_MAX_THREADS",
     "SAMPLERS",
     "DiffusionOutput",
     "MIN_SHARD_ROWS",

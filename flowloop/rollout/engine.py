@@ -155,11 +155,12 @@ class RolloutEngine:
         was_training = module.training
         module.eval()
         try:
-            slices = _slices(len(requests), self._shards(device))
+            threads = torch.get_num_threads()
+            slices = _slices(len(requests), self._shards(device, threads))
             if len(slices) == 1:
                 outputs = self._sample_rows(requests, params, device)
             else:
-                pool = shard_executor(len(slices), max(1, torch.get_num_threads() // len(slices)))
+                pool = shard_executor(len(slices), max(1, threads // len(slices)))
                 parts = [pool.submit(self._sample_rows, requests[s], params, device) for s in slices]
                 outputs = [out for part in parts for out in part.result()]
         finally:
@@ -170,14 +171,13 @@ class RolloutEngine:
             out.metrics.update(metrics)
         return outputs
 
-    def _shards(self, device: torch.device) -> int:
+    def _shards(self, device: torch.device, threads: int) -> int:
         """How many slices a large batch may run as: 1 on a GPU; by default one per intra-op
         thread up to ``AUTO_SHARD_MAX_THREADS`` threads, else 1."""
         if device.type != "cpu":
             return 1
         if self.cpu_shards is not None:
             return self.cpu_shards
-        threads = torch.get_num_threads()
         return threads if threads <= AUTO_SHARD_MAX_THREADS else 1
 
     @torch.no_grad()  # again: grad mode is per thread, and shards run on their own threads

@@ -26,3 +26,14 @@ def mixed_requests(model, n: int = 16, **params) -> list[RolloutRequest]:
     """``n`` requests with different prompts and seeds (hence different SDE windows)."""
     params = {"sde_window_size": 2, "sde_window_range": (0, 5), **params}
     return [request(model, f"r{k}", PROMPTS[(5 * k) % len(PROMPTS)], seed=1000 + 7 * k, **params) for k in range(n)]
+
+
+def assert_same_samples(a, b) -> None:
+    """Two `DiffusionOutput`s of one request agree within the batch-invariance bounds
+    (tests/rollout/test_engine.py::test_batch_invariance): log-prob 1e-6, pixel and latent 1e-5,
+    the same SDE window."""
+    assert a.request_id == b.request_id
+    assert (a.log_probs - b.log_probs).abs().max() <= 1e-6
+    assert (a.diffusion_output - b.diffusion_output).abs().max() <= 1e-5
+    assert (a.extra_fields["all_latents"] - b.extra_fields["all_latents"]).abs().max() <= 1e-5
+    assert torch.equal(a.extra_fields["all_timesteps"], b.extra_fields["all_timesteps"])
