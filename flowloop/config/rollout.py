@@ -6,7 +6,7 @@ Sampling settings come in two groups that merge, in this order, into one request
 
     pipeline (how an image is made)  +  algo (how the trajectory is explored)
     + val_kwargs.pipeline / val_kwargs.algo   (validation only)
-    + logprobs, seed, global_steps            (set per row by the agent-loop worker)
+    + logprobs, seed, noise_seed, global_steps  (set per row by the agent-loop worker)
 
 Load with ``load_config(RolloutConfig, overrides, yaml_files)`` from `flowloop.config`.
 """
@@ -155,6 +155,10 @@ class RolloutConfig:
     """Record per-step log-probs in training (FlowGRPO's ``logp_old``). Validation never does."""
     seed: int = 0
     """Base of the training seeds: row r of step s gets ``row_seed(seed, s, r)``."""
+    shared_initial_noise: bool = False
+    """Training rows of one ``uid`` (a GRPO group) start from the same initial noise, as in
+    DanceGRPO; each row keeps its own SDE noise. The group's reward spread then comes from the
+    steps the policy is trained on, not from a start it cannot change. Validation is unaffected."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad key; called by `load_config` and the workers."""
@@ -182,7 +186,7 @@ class RolloutConfig:
 
     def sampling_dict(self, validate: bool) -> dict[str, Any]:
         """The merged ``pipeline`` + ``algo`` (+ ``val_kwargs`` when validating) settings and
-        ``logprobs``: every `SamplingParams` field but the per-row ``seed`` and ``global_steps``."""
+        ``logprobs``: every `SamplingParams` field but the per-row ``seed``, ``noise_seed`` and ``global_steps``."""
         values = {**dataclasses.asdict(self.pipeline), **dataclasses.asdict(self.algo)}
         if validate:
             values.update(dataclasses.asdict(self._validation_section("pipeline", PipelineConfig)))

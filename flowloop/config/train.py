@@ -44,6 +44,10 @@ class DataConfig:
     """Split validation reports accuracy on."""
     prompts_per_step: int = 16
     """Distinct prompts per RL step; each is sampled ``rollout.n`` times (a group)."""
+    extra_prompts_per_step: int = 0
+    """Prompts sampled beyond ``prompts_per_step`` each step; once scored, only the
+    ``prompts_per_step`` groups whose rewards spread most train (DAPO's dynamic sampling with a
+    fixed update batch): a group whose samples all score the same teaches nothing. 0 = off."""
     prompt_file: Optional[str] = None
     """Train prompts from a local file (``.txt``, one per line, or ``.jsonl`` with ``prompt``; see
     `flowloop.trainer.prompt_data`) instead of the shapes world; for real models."""
@@ -205,6 +209,8 @@ class TrainConfig:
                 _choice("data.category_weights key", key, CATEGORIES)
             if any(w < 0 for w in weights.values()) or sum(weights.get(c, 1.0) for c in CATEGORIES) <= 0:
                 raise ValueError(f"data.category_weights must be >= 0 with at least one category above 0, got {weights}")
+        if self.data.extra_prompts_per_step < 0:
+            raise ValueError(f"data.extra_prompts_per_step must be >= 0 (0 turns it off), got {self.data.extra_prompts_per_step}")
         if self.data.category_focus < 0:
             raise ValueError(f"data.category_focus must be >= 0 (0 turns it off), got {self.data.category_focus}")
         if self.data.category_focus > 0 and self.data.prompt_sampling != "category_balanced":

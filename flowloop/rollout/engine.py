@@ -10,8 +10,8 @@ CPU can run as slices on separate threads, each with its share of the cores (``c
 for a small model on two cores that beats splitting every op across them.
 
 A request's generator is used in this fixed order: (1) the SDE window start (only when
-``sde_window_size`` is set), (2) the initial noise, (3) the noise of each SDE step, in step
-order. Generators live on the CPU, so one seed gives the same sample on the CPU and on a GPU.
+``sde_window_size`` is set), (2) the initial noise (unless ``noise_seed`` is set: then a generator
+of its own draws it), (3) the noise of each SDE step, in step order. Generators live on the CPU, so one seed gives the same sample on the CPU and on a GPU.
 
 Latents stay float32 end to end (the adapter casts them to its own dtype inside ``velocity``); the
 recorded latents and sigmas are the exact tensors stepped with, so the trainer's replay through
@@ -188,7 +188,9 @@ class RolloutEngine:
         generators = [torch.Generator("cpu").manual_seed(_seed(r.sampling_params)) for r in requests]
         windows = [self._window(params, g) for g in generators]
         shape = self.model.latent_shape(params.height, params.width, params.num_frames)
-        latents = randn_per_sample(generators, (len(requests), *shape)).to(device)  # [B, *shape]
+        starts = [g if r.sampling_params.noise_seed is None else torch.Generator("cpu").manual_seed(r.sampling_params.noise_seed)
+                  for r, g in zip(requests, generators)]
+        latents = randn_per_sample(starts, (len(requests), *shape)).to(device)  # [B, *shape]
         # 3. Prompts, each distinct one encoded once.
         embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
         # 4. Denoise, recording each row inside its window.

@@ -45,6 +45,9 @@ class SamplingParams:
     """Record log-probs and latents for training; validation turns it off."""
     seed: int | None = None
     """Seeds the request's own torch.Generator (window start, initial and step noise); None = random."""
+    noise_seed: int | None = None
+    """Seeds the initial noise alone, so requests with one ``noise_seed`` start from the same
+    latent (a GRPO group with ``rollout.shared_initial_noise``); None = drawn from ``seed``'s generator."""
     global_steps: int | None = None
     """Trainer step that asked for this sample (for logging only)."""
 
@@ -61,8 +64,8 @@ class SamplingParams:
         return cls(**values)
 
     def batch_key(self) -> tuple:
-        """Requests with equal keys can share a batch: everything but the per-sample seed and step."""
-        return dataclasses.astuple(dataclasses.replace(self, seed=None, global_steps=None))
+        """Requests with equal keys can share a batch: everything but the per-sample seeds and step."""
+        return dataclasses.astuple(dataclasses.replace(self, seed=None, noise_seed=None, global_steps=None))
 
     def window_range(self) -> tuple[int, int]:
         """``sde_window_range``, or ``(0, num_inference_steps - 1)`` when it is None."""
@@ -91,9 +94,10 @@ class SamplingParams:
             raise ValueError(f"sampling_params.logprob_mode must be one of {list(LOGPROB_MODES)}, got {self.logprob_mode!r}")
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"sampling_params.logprobs must be a bool, got {self.logprobs!r}")
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
-            raise ValueError(f"sampling_params.seed must be None or an int in [0, 2**64), got {self.seed!r}")
+        for name in ("seed", "noise_seed"):
+            seed = getattr(self, name)
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
+                raise ValueError(f"sampling_params.{name} must be None or an int in [0, 2**64), got {seed!r}")
         if self.sampler == "ode":
             if self.logprobs:
                 raise ValueError(

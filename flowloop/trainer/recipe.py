@@ -29,7 +29,7 @@ from flowloop.reward.worker import ERROR_KEY
 from flowloop.rollout.types import SamplingParams
 from flowloop.tasks import shapes
 from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
-from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
+from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages, groups_with_most_spread
 from flowloop.trainer.category_focus import CategoryFocus
 from flowloop.trainer.checkpoint import (
     capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
@@ -155,42 +155,47 @@ class FlowGRPORecipe:
         # 1. Prompts of this step, each repeated rollout.n times under one uid.
         batch = self.make_batch(step)
         # 2. Generate and score (the reward streams while other rows still sample).
-        out = self.manager.generate_sequences(batch)
+        generated_out = out = self.manager.generate_sequences(batch)
         generated = time.perf_counter()
-        rewards = out["rm_scores"][:, 0]  # [B]
-        # 3. Advantages over each uid's group.
+        all_rewards = rewards = out["rm_scores"][:, 0]  # [B]
+        # 3. With extra prompts, keep the prompts_per_step groups whose rewards spread most.
+        if self.cfg.data.extra_prompts_per_step:
+            rows = groups_with_most_spread(rewards, out["uid"], self.cfg.data.prompts_per_step)
+            out, rewards = out[rows], rewards[rows]
+        # 4. Advantages over each uid's group.
         options = {}
         if self.tracker is not None:
             options = {"tracker": self.tracker, "prompts": list(out["raw_prompt"])}
         result = compute_advantages(self.cfg.advantage.estimator, rewards, out["uid"],
                                     drop_zero_std_groups=self.cfg.advantage.drop_zero_std_groups, **options)
         keep = result.keep.nonzero().flatten()
-        # 4. Update the actor on the kept rows.
+        # 5. Update the actor on the kept rows.
         metrics: dict[str, float] = {}
         if len(keep):
             metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
             if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()
-        by_category = category_reward_means(out, rewards)
+        by_category = category_reward_means(generated_out, all_rewards)  # what the policy does, before any selection
         if self.focus is not None:
             metrics.update({f"data/category_prob/{c}": float(p) for c, p in zip(self.focus.categories, self.focus.probs())})
             self.focus.observe(category_accuracy(by_category))
         metrics.update({
-            **reward_extra_means(out),
+            **reward_extra_means(generated_out),
             **by_category,
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+            "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
             "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
-            "throughput/samples_per_s": len(out) / (end - start),
+            "throughput/samples_per_s": len(generated_out) / (end - start),
             **{f"time/{k}": v for k, v in out.meta_info.get("timing", {}).items()},
         })
         return metrics
 
     def make_batch(self, step: int) -> Batch:
-        """``prompts_per_step`` train prompts (drawn from seed and step alone, so resume is exact) x n."""
+        """``prompts_per_step`` (+ ``extra_prompts_per_step``) train prompts (drawn from seed and step
+        alone, so resume is exact) x n."""
         rng = np.random.default_rng([self.cfg.trainer.seed, step])
-        count = self.cfg.data.prompts_per_step
+        count = self.cfg.data.prompts_per_step + self.cfg.data.extra_prompts_per_step
         if self.cfg.data.prompt_sampling == "category_balanced":
             pools = self.train_rows_by_category
             probs = self.focus.probs() if self.focus is not None else self.category_probs

@@ -256,3 +256,11 @@ def test_category_focus_moves_the_draw_and_resumes_exactly(tiny_model_dir, tmp_p
                               ("data.prompt_sampling=uniform", "data.category_focus needs data.prompt_sampling=category_balanced")]:
         with pytest.raises(ValueError, match=message):
             tiny_config(tiny_model_dir, tmp_path, *args, override)
+
+
+def test_extra_prompts_train_the_groups_whose_rewards_spread_most(tiny_model_dir, tmp_path):
+    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "data.extra_prompts_per_step=2"), log=lambda _: None)
+    [row] = [r for r in metrics(tmp_path / "shapes") if "reward/mean" in r]
+    assert row["advantage/num_groups"] == 2  # 4 prompts sampled, the 2 most spread trained
+    with pytest.raises(ValueError, match="data.extra_prompts_per_step must be >= 0"):
+        tiny_config(tiny_model_dir, tmp_path, "data.extra_prompts_per_step=-1")
