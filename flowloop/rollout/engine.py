@@ -10,8 +10,9 @@ CPU can run as slices on separate threads, each with its share of the cores (``c
 for a small model on two cores that beats splitting every op across them.
 
 A request's generator is used in this fixed order: (1) the SDE window start (only when
-``sde_window_size`` is set), (2) the initial noise (unless ``noise_seed`` is set: then a generator
-of its own draws it), (3) the noise of each SDE step, in step order. Generators live on the CPU, so one seed gives the same sample on the CPU and on a GPU.
+``sde_window_size`` is set), (2) the initial noise (unless ``noise_seed`` is set: then a
+generator of its own draws it), (3) the noise of each SDE step, in step order. Generators live on
+the CPU, so one seed gives the same sample on the CPU and on a GPU.
 
 Latents stay float32 end to end (the adapter casts them to its own dtype inside ``velocity``); the
 recorded latents and sigmas are the exact tensors stepped with, so the trainer's replay through

@@ -29,7 +29,7 @@ from flowloop.reward.worker import ERROR_KEY
 from flowloop.rollout.types import SamplingParams
 from flowloop.tasks import shapes
 from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
-from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages, groups_with_most_spread
+from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages, group_stats, groups_with_most_spread
 from flowloop.trainer.category_focus import CategoryFocus
 from flowloop.trainer.checkpoint import (
     capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
@@ -171,6 +171,8 @@ class FlowGRPORecipe:
         keep = result.keep.nonzero().flatten()
         # 5. Update the actor on the kept rows.
         metrics: dict[str, float] = {}
+        if self.cfg.data.extra_prompts_per_step:  # what the selection avoided: all-equal groups among those sampled
+            metrics["data/sampled_zero_std_group_frac"] = group_stats(all_rewards, generated_out["uid"]).zero_std.double().mean().item()
         if len(keep):
             metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
             if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):

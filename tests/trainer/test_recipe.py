@@ -262,5 +262,6 @@ def test_extra_prompts_train_the_groups_whose_rewards_spread_most(tiny_model_dir
     run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "data.extra_prompts_per_step=2"), log=lambda _: None)
     [row] = [r for r in metrics(tmp_path / "shapes") if "reward/mean" in r]
     assert row["advantage/num_groups"] == 2  # 4 prompts sampled, the 2 most spread trained
+    assert 0.0 <= row["data/sampled_zero_std_group_frac"] <= 1.0 and row["advantage/zero_std_group_frac"] <= row["data/sampled_zero_std_group_frac"] + 1e-9
     with pytest.raises(ValueError, match="data.extra_prompts_per_step must be >= 0"):
         tiny_config(tiny_model_dir, tmp_path, "data.extra_prompts_per_step=-1")
