@@ -49,7 +49,7 @@ class DataConfig:
     ``prompts_per_step`` groups whose rewards spread most train (DAPO's dynamic sampling with a
     fixed update batch): a group whose samples all score the same teaches nothing. 0 = off:
     on the shapes world 4 extra cut the zero-variance share from 0.23 to 0.02-0.06 but gained
-    only 1.4 points over seeds 0-3 for 50% more sampling (recipe_sweep_h200_round15.txt)."""
+    only 1 point over seeds 0-5 for 50% more sampling (recipe_sweep_h200_round15.txt)."""
     prompt_file: Optional[str] = None
     """Train prompts from a local file (``.txt``, one per line, or ``.jsonl`` with ``prompt``; see
     `flowloop.trainer.prompt_data`) instead of the shapes world; for real models."""
