@@ -109,10 +109,9 @@ def group_stats(rewards: torch.Tensor, uids: Sequence | np.ndarray) -> Groups:
     return Groups(index, count, mean, std, high == low)
 
 
-def groups_with_most_spread(rewards: torch.Tensor, uids: Sequence | np.ndarray, count: int) -> list[int]:
-    """Rows of the ``count`` groups whose rewards have the largest std, in their original order;
-    ties go to the group that appears first, so the choice depends on the rewards alone."""
-    groups = group_stats(rewards, uids)
+def groups_with_most_spread(groups: Groups, count: int) -> list[int]:
+    """Rows of the ``count`` groups (`group_stats`) whose rewards have the largest std, in their
+    original order; ties go to the group that appears first, so the choice depends on the rewards alone."""
     spread = groups.std.tolist()
     chosen = set(sorted(range(len(spread)), key=lambda g: -spread[g])[:count])
     return [row for row, g in enumerate(groups.index.tolist()) if g in chosen]

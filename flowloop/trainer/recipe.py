@@ -155,13 +155,11 @@ class FlowGRPORecipe:
         # 1. Prompts of this step, each repeated rollout.n times under one uid.
         batch = self.make_batch(step)
         # 2. Generate and score (the reward streams while other rows still sample).
-        generated_out = out = self.manager.generate_sequences(batch)
+        sampled = self.manager.generate_sequences(batch)
         generated = time.perf_counter()
-        all_rewards = rewards = out["rm_scores"][:, 0]  # [B]
-        # 3. With extra prompts, keep the prompts_per_step groups whose rewards spread most.
-        if self.cfg.data.extra_prompts_per_step:
-            rows = groups_with_most_spread(rewards, out["uid"], self.cfg.data.prompts_per_step)
-            out, rewards = out[rows], rewards[rows]
+        sampled_rewards = sampled["rm_scores"][:, 0]  # [B]
+        # 3. With extra prompts, only the prompts_per_step groups whose rewards spread most go on.
+        out, rewards, metrics = self.select_groups(sampled, sampled_rewards)
         # 4. Advantages over each uid's group.
         options = {}
         if self.tracker is not None:
@@ -170,28 +168,35 @@ class FlowGRPORecipe:
                                     drop_zero_std_groups=self.cfg.advantage.drop_zero_std_groups, **options)
         keep = result.keep.nonzero().flatten()
         # 5. Update the actor on the kept rows.
-        metrics: dict[str, float] = {}
-        if self.cfg.data.extra_prompts_per_step:  # what the selection avoided: all-equal groups among those sampled
-            metrics["data/sampled_zero_std_group_frac"] = group_stats(all_rewards, generated_out["uid"]).zero_std.double().mean().item()
         if len(keep):
             metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
             if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()
-        by_category = category_reward_means(generated_out, all_rewards)  # what the policy does, before any selection
+        by_category = category_reward_means(sampled, sampled_rewards)  # what the policy does, before any selection
         if self.focus is not None:
             metrics.update({f"data/category_prob/{c}": float(p) for c, p in zip(self.focus.categories, self.focus.probs())})
             self.focus.observe(category_accuracy(by_category))
         metrics.update({
-            **reward_extra_means(generated_out),
+            **reward_extra_means(sampled),
             **by_category,
-            "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std(unbiased=False)),
+            "reward/mean": float(sampled_rewards.mean()), "reward/std": float(sampled_rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
             "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
-            "throughput/samples_per_s": len(generated_out) / (end - start),
-            **{f"time/{k}": v for k, v in out.meta_info.get("timing", {}).items()},
+            "throughput/samples_per_s": len(sampled) / (end - start),
+            **{f"time/{k}": v for k, v in sampled.meta_info.get("timing", {}).items()},
         })
         return metrics
+
+    def select_groups(self, sampled: Batch, rewards: torch.Tensor) -> tuple[Batch, torch.Tensor, dict[str, float]]:
+        """With ``data.extra_prompts_per_step``: the rows and rewards of the ``prompts_per_step``
+        groups whose rewards spread most, and the share of all-equal groups among those sampled
+        (what the selection avoided). Without: everything, no metric."""
+        if not self.cfg.data.extra_prompts_per_step:
+            return sampled, rewards, {}
+        groups = group_stats(rewards, sampled["uid"])
+        rows = groups_with_most_spread(groups, self.cfg.data.prompts_per_step)
+        return sampled[rows], rewards[rows], {"data/sampled_zero_std_group_frac": groups.zero_std.double().mean().item()}
 
     def make_batch(self, step: int) -> Batch:
         """``prompts_per_step`` (+ ``extra_prompts_per_step``) train prompts (drawn from seed and step
