@@ -105,7 +105,8 @@ class AgentLoopWorker:
         names = batch[AGENT_NAME_KEY] if AGENT_NAME_KEY in batch else [self.config.agent.default_agent_loop] * len(batch)
         for name in sorted(set(names)):
             agent_loop_config(name)
-        if self.config.shared_initial_noise and not validate and "uid" not in batch:
+        group_starts = self.config.shared_initial_noise and not validate
+        if group_starts and "uid" not in batch:
             raise ValueError("rollout.shared_initial_noise=true needs a 'uid' non-tensor column naming each row's group; "
                              "add one or set rollout.shared_initial_noise=false")
         # 3. One task per row; each streams its sample to a reward worker when it is done.
@@ -114,7 +115,7 @@ class AgentLoopWorker:
         for i, row_index in enumerate(row_indices):
             row = {key: column[i] for key, column in batch.non_tensors.items() if key not in hidden}
             row_params = dataclasses.replace(params, seed=row_seed(base_seed, seed_step, row_index))
-            if self.config.shared_initial_noise and not validate:
+            if group_starts:
                 row_params = dataclasses.replace(row_params, noise_seed=row_seed(base_seed, seed_step, f"uid={row['uid']}"))
             tasks.append(asyncio.create_task(self._run_row(names[i], row_params, row, row_index)))
         results = await _gather_or_cancel(tasks)
