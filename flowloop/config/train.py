@@ -15,6 +15,7 @@ from flowloop.config.rollout import RolloutConfig
 KL_MODES = ("flow_grpo", "exact")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 FINETUNE_MODES = ("full", "lora")
+ACTOR_OBJECTIVES = ("flow_grpo", "nft")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 RESUME_MODES = ("never", "auto")
 PROMPT_SAMPLING = ("uniform", "category_balanced")
@@ -78,6 +79,18 @@ class DataConfig:
 
 @dataclass
 class ActorConfig:
+    objective: str = "flow_grpo"
+    """``flow_grpo``: the clipped policy gradient on the SDE window's log-probs. ``nft``:
+    DiffusionNFT (`flowloop.trainer.losses.nft_loss`), the flow-matching loss on the rollout's
+    clean samples weighted by advantage; needs no log-probs, so any sampler works (even
+    ``rollout.algo.noise_level=0``, the ODE the evaluation samples with); ``clip_range`` is unused."""
+    nft_beta: float = 1.0
+    """DiffusionNFT's beta: how far the implicit positive/negative policies sit from the old one
+    (smaller = a stronger pull per unit of advantage, a wider trust region)."""
+    nft_timesteps: int = 2
+    """Noise levels drawn per row and update (each one forward and backward, like a window step)."""
+    nft_time_range: List[float] = field(default_factory=lambda: [0.0, 1.0])
+    """``[lo, hi]``: the noise levels t are drawn uniformly in it (1 = pure noise)."""
     finetune: str = "full"
     """``full`` trains every denoiser weight; ``lora`` trains peft adapters (extra ``peft``)."""
     lora_rank: int = 16
@@ -183,6 +196,8 @@ class TrainConfig:
         _choice("actor.finetune", self.actor.finetune, FINETUNE_MODES)
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
         _choice("actor.kl_mode", self.actor.kl_mode, KL_MODES)
+        _choice("actor.objective", self.actor.objective, ACTOR_OBJECTIVES)
+        self._validate_nft()
         _choice("actor.lr_schedule", self.actor.lr_schedule, LR_SCHEDULES)
         if not 0.0 <= self.actor.lr_final_ratio <= 1.0:
             raise ValueError(f"actor.lr_final_ratio must be in [0, 1], got {self.actor.lr_final_ratio}")
@@ -239,7 +254,26 @@ class TrainConfig:
         if self.actor.kl_coef < 0:
             raise ValueError(f"actor.kl_coef must be >= 0, got {self.actor.kl_coef}")
         if not self.rollout.calculate_log_probs:
-            raise ValueError("rollout.calculate_log_probs must be true for training: the update needs logp_old")
+            raise ValueError("rollout.calculate_log_probs must be true for training: the update needs the recorded latents")
+
+    def _validate_nft(self) -> None:
+        actor = self.actor
+        if actor.nft_beta <= 0:
+            raise ValueError(f"actor.nft_beta must be > 0, got {actor.nft_beta}")
+        if actor.nft_timesteps < 1:
+            raise ValueError(f"actor.nft_timesteps must be >= 1, got {actor.nft_timesteps}")
+        bounds = list(actor.nft_time_range)
+        if len(bounds) != 2 or not 0.0 <= bounds[0] < bounds[1] <= 1.0:
+            raise ValueError(f"actor.nft_time_range must be [lo, hi] with 0 <= lo < hi <= 1, got {bounds}")
+        if actor.objective == "nft" and not 0 < actor.adv_clip_max < float("inf"):
+            raise ValueError(f"actor.objective=nft maps advantages to [0, 1] by actor.adv_clip_max, which must be "
+                             f"finite and > 0, got {actor.adv_clip_max}")
+        if actor.objective == "flow_grpo" and self.rollout.algo.sampler == "ode":
+            raise ValueError("rollout.algo.sampler=ode records no log-probs for flow_grpo to learn from; "
+                             "use sde, dance or cps, or set actor.objective=nft")
+        if actor.objective == "flow_grpo" and self.rollout.algo.noise_level == 0:
+            raise ValueError("rollout.algo.noise_level=0 samples without noise, so flow_grpo has no log-probs to learn "
+                             "from; raise it or set actor.objective=nft")
 
 
 def _choice(key: str, value, allowed) -> None:

@@ -199,7 +199,7 @@ class RolloutEngine:
         # 5. Decode.
         images = self.model.decode(latents).float()  # [B, C, H, W] or [B, T, C, H, W]
         return [
-            _output(r, images[b], embeds, b, records[b] if params.logprobs else None, {})
+            _output(r, images[b], embeds, b, records[b] if params.logprobs else None, latents[b])
             for b, r in enumerate(requests)
         ]
 
@@ -313,16 +313,19 @@ def _output(
     embeds: dict[str, torch.Tensor],
     row: int,
     record: _Record | None,
-    metrics: dict[str, float],
+    final_latent: torch.Tensor,
 ) -> DiffusionOutput:
     extra = {name: _own(value[row]) for name, value in embeds.items()}  # [L, D] / [L]
     log_probs = None
     if record is not None:
-        extra["all_latents"] = _own(torch.stack(record.latents))  # [W+1, ...] float32
-        extra["all_timesteps"] = _own(torch.stack(record.timesteps))  # [W]
-        extra["all_next_timesteps"] = _own(torch.stack(record.next_timesteps))  # [W]
-        log_probs = _own(torch.stack(record.log_probs))  # [W]
-    return DiffusionOutput(request.request_id, _own(image), log_probs, extra, dict(metrics))
+        extra["final_latents"] = _own(final_latent)  # [...] the clean latent (DiffusionNFT trains on it)
+        log_probs = torch.zeros(0)  # an ODE rollout has no window: W = 0
+        if record.latents:
+            extra["all_latents"] = _own(torch.stack(record.latents))  # [W+1, ...] float32
+            extra["all_timesteps"] = _own(torch.stack(record.timesteps))  # [W]
+            extra["all_next_timesteps"] = _own(torch.stack(record.next_timesteps))  # [W]
+            log_probs = _own(torch.stack(record.log_probs))  # [W]
+    return DiffusionOutput(request.request_id, _own(image), log_probs, extra, {})
 
 
 def _describe(value) -> str:

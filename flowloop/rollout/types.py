@@ -42,7 +42,8 @@ class SamplingParams:
     logprob_mode: str = "density"
     """CPS only: "density" (true Gaussian) or "flow_grpo" (-||x'-mean||^2, as the public code)."""
     logprobs: bool = True
-    """Record log-probs and latents for training; validation turns it off."""
+    """Record what training needs (the clean final latent; with a stochastic sampler also the SDE
+    window's latents and log-probs; the ODE has no window, so none); validation turns it off."""
     seed: int | None = None
     """Seeds the request's own torch.Generator (window start, initial and step noise); None = random."""
     noise_seed: int | None = None
@@ -98,11 +99,7 @@ class SamplingParams:
             seed = getattr(self, name)
             if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64):
                 raise ValueError(f"sampling_params.{name} must be None or an int in [0, 2**64), got {seed!r}")
-        if self.sampler == "ode":
-            if self.logprobs:
-                raise ValueError(
-                    "sampling_params.logprobs: sampler='ode' is deterministic and has no log-probs; set logprobs=False"
-                )
+        if self.sampler == "ode":  # no window: with logprobs only the final latent is recorded
             return
         # The window's bounds, checked with a throwaway generator (the draw itself is the engine's).
         try:
@@ -143,7 +140,8 @@ class DiffusionOutput:
     step, then the one after each window step), ``all_timesteps [W]`` (sigma of each window step)
     and ``all_next_timesteps [W]`` (the sigma it steps to), float32, the exact values sampled with:
     replaying step ``k`` is ``velocity(all_latents[k], all_timesteps[k])`` then the sampler's step
-    to ``all_next_timesteps[k]`` with ``prev_sample=all_latents[k + 1]``."""
+    to ``all_next_timesteps[k]`` with ``prev_sample=all_latents[k + 1]``; and ``final_latents
+    [...]`` float32, the clean latent the image was decoded from (DiffusionNFT trains on it)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """``queue_time``, ``generate_time``, ``batch_size`` of the batch this request ran in."""
 

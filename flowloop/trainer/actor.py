@@ -6,6 +6,10 @@ at the stored latent with the current weights, re-runs the same sampler step wit
 comes from `flowloop.rollout.engine.guided_velocity`, the function the rollout sampled with,
 so with unchanged weights the replay reproduces the rollout's log-prob (the rollout-correction
 metric measures how closely).
+
+With ``actor.objective=nft`` the same loop trains DiffusionNFT instead: each "trained step" is a
+noise level drawn per row, where the current and the sampling weights' velocities at the
+re-noised clean sample enter `flowloop.trainer.losses.nft_loss`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from flowloop.rollout.engine import guided_velocity
 from flowloop.rollout.types import SamplingParams
 from flowloop.sampling import get_step
 from flowloop.trainer.lora import adapters_disabled, add_lora
-from flowloop.trainer.losses import flow_grpo_loss, kl_loss
+from flowloop.trainer.losses import flow_grpo_loss, kl_loss, nft_loss, noised
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +87,10 @@ class Actor:
                     params[name].copy_(value)
 
     # -- replay -------------------------------------------------------------------------
-    def replay(self, rows: dict[str, torch.Tensor], j: int, reference: bool = False):
-        """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
-        x = rows["all_latents"][:, j]  # [b, C, H, W]
-        t, t_next = rows["all_timesteps"][:, j], rows["all_next_timesteps"][:, j]  # [b]
+    def velocity(self, rows: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor,
+                 reference: bool = False) -> torch.Tensor:
+        """The (guided) velocity at ``x [b, ...]``, ``t [b]`` for ``rows``' prompts, with the
+        current weights or the frozen reference's."""
         embeds = {k: v for k, v in rows.items() if is_embedding_key(k)}
         if reference and self.reference is not None:
             model, context = self.reference, nullcontext()
@@ -95,7 +99,13 @@ class Actor:
         else:
             model, context = self.model, nullcontext()
         with context:
-            v = guided_velocity(model, x, t, embeds, self.sampling.guidance_scale)
+            return guided_velocity(model, x, t, embeds, self.sampling.guidance_scale)
+
+    def replay(self, rows: dict[str, torch.Tensor], j: int, reference: bool = False):
+        """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
+        x = rows["all_latents"][:, j]  # [b, C, H, W]
+        t, t_next = rows["all_timesteps"][:, j], rows["all_next_timesteps"][:, j]  # [b]
+        v = self.velocity(rows, x, t, reference)
         return self.step_fn(v, t, t_next, x, noise_level=self.sampling.noise_level,
                             prev_sample=rows["all_latents"][:, j + 1], **self.step_kwargs)
 
@@ -104,16 +114,22 @@ class Actor:
         """One RL update on ``batch`` (rows with ``all_latents`` etc.), ``advantages`` ``[B]``."""
         cfg = self.config
         device = next(self.module.parameters()).device
-        num_steps = batch["rollout_log_probs"].shape[1]
-        trained = max(1, math.ceil(cfg.timestep_fraction * num_steps))
+        nft = cfg.objective == "nft"
         micro_per_mini = cfg.mini_batch_size // cfg.micro_batch_size
-        keys = ["all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs", *[k for k in batch.keys() if is_embedding_key(k)]]
-        tensors = {k: batch[k].to(device) for k in keys}
+        embed_keys = [k for k in batch.keys() if is_embedding_key(k)]
         advantages = advantages.to(device)
-        if not cfg.skip_old_logprob:
-            tensors["old_log_probs"] = self._old_log_probs(tensors, trained)
-        old_key = "rollout_log_probs" if cfg.skip_old_logprob else "old_log_probs"
         self.module.eval()  # no dropout: replay must see the function the rollout sampled
+        if nft:
+            tensors = {k: batch[k].to(device) for k in ["final_latents", *embed_keys]}
+            tensors.update(self._nft_draws(tensors, generator))
+            trained = cfg.nft_timesteps
+        else:
+            keys = ["all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs", *embed_keys]
+            tensors = {k: batch[k].to(device) for k in keys}
+            trained = max(1, math.ceil(cfg.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
+            if not cfg.skip_old_logprob:
+                tensors["old_log_probs"] = self._old_log_probs(tensors, trained)
+        old_key = "rollout_log_probs" if cfg.skip_old_logprob else "old_log_probs"
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         correction: list[torch.Tensor] = []
@@ -126,6 +142,11 @@ class Actor:
                 rows = {k: v[rows_idx] for k, v in tensors.items()}
                 adv = advantages[rows_idx]
                 for j in range(trained):
+                    if nft:
+                        loss, diag = self._nft_term(rows, adv, j)
+                        (loss / (trained * micro_per_mini)).backward()
+                        _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
+                        continue
                     out = self.replay(rows, j)
                     if first:  # weights still those of the rollout
                         correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
@@ -147,10 +168,46 @@ class Actor:
         metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean())
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/optimizer_steps"] = len(grad_norms)
-        all_correction = torch.cat(correction)
-        metrics["rollout_correction/mean"] = float(all_correction.mean())
-        metrics["rollout_correction/max"] = float(all_correction.max())
+        if correction:  # FlowGRPO only: DiffusionNFT replays no log-probs
+            all_correction = torch.cat(correction)
+            metrics["rollout_correction/mean"] = float(all_correction.mean())
+            metrics["rollout_correction/max"] = float(all_correction.max())
         return metrics
+
+    # -- DiffusionNFT -------------------------------------------------------------------
+    @torch.no_grad()
+    def _nft_draws(self, tensors: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Per row and trained term: a noise level ``nft_t [B, K]``, the noised clean sample
+        ``nft_noisy [B, K, ...]`` and the sampling weights' velocity there ``nft_old_velocity``
+        (before any optimizer step of this update, so "old" is the policy that sampled)."""
+        cfg = self.config
+        sample = tensors["final_latents"]  # [B, ...]
+        rows, k = sample.shape[0], cfg.nft_timesteps
+        lo, hi = cfg.nft_time_range
+        t = (lo + (hi - lo) * torch.rand((rows, k), generator=generator)).to(sample.device)  # [B, K]
+        noise = torch.randn((rows, k, *sample.shape[1:]), generator=generator).to(sample.device)  # [B, K, ...]
+        noisy = torch.stack([noised(sample, noise[:, j], t[:, j]) for j in range(k)], dim=1)  # [B, K, ...]
+        old = torch.empty_like(noisy)
+        for idx in torch.arange(rows, device=sample.device).split(cfg.micro_batch_size):
+            part = {key: value[idx] for key, value in tensors.items()}
+            for j in range(k):
+                old[idx, j] = self.velocity(part, noisy[idx, j], t[idx, j]).float()
+        return {"nft_t": t, "nft_noisy": noisy, "nft_old_velocity": old}
+
+    def _nft_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int):
+        """DiffusionNFT's loss (plus the velocity KL to the reference) at the rows' ``j``-th noise level."""
+        cfg = self.config
+        x, t = rows["nft_noisy"][:, j], rows["nft_t"][:, j]
+        v = self.velocity(rows, x, t).float()
+        loss, diag = nft_loss(v, rows["nft_old_velocity"][:, j], rows["final_latents"], x, t, adv,
+                              cfg.nft_beta, cfg.adv_clip_max)
+        if cfg.kl_coef > 0:
+            with torch.no_grad():
+                v_ref = self.velocity(rows, x, t, reference=True).float()
+            kl = kl_loss(v, v_ref, 1.0, mode="exact").mean()  # mean (v - v_ref)^2 / 2
+            loss = loss + cfg.kl_coef * kl
+            diag = {**diag, "kl_loss": kl.detach()}
+        return loss, diag
 
     def _optimizer_step(self) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.requires_grad]

@@ -1,4 +1,5 @@
-"""FlowGRPO's loss for one trained step, its KL penalty, and the guard against non-finite losses.
+"""FlowGRPO's loss for one trained step, DiffusionNFT's loss, the KL penalty, and the guard
+against non-finite losses.
 
 One trained denoising step of a batch of trajectories gives, per sample, the replayed log-prob
 ``logp`` (current weights), the rollout's ``logp_old`` and the sample's advantage ``A``:
@@ -9,6 +10,9 @@ One trained denoising step of a batch of trajectories gives, per sample, the rep
 
 and, with a KL coefficient ``beta > 0``, ``loss + beta * mean_B(kl_loss(...))`` (the recipe adds
 it). Published defaults: ``clip_range = 1e-4``, ``adv_clip_max = 5``, ``beta = 0.04``.
+
+`nft_loss` is DiffusionNFT's objective (Zheng et al., 2025), which needs no log-probs: it trains
+the flow-matching loss on the rollout's clean samples, noised again at a drawn time.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["KL_MODES", "NonFiniteGuard", "NonFiniteLossError", "flow_grpo_loss", "kl_loss"]
+__all__ = ["KL_MODES", "NonFiniteGuard", "NonFiniteLossError", "flow_grpo_loss", "kl_loss", "nft_loss", "noised"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,83 @@ def flow_grpo_loss(
             "clip_frac_high": (ratio_d - 1.0 > clip_range).float().mean(),
             "clip_frac_low": (1.0 - ratio_d > clip_range).float().mean(),
             "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean(),
+            "adv_clamped_frac": (clamped != advantages).float().mean(),
+        }
+    return loss, diagnostics
+
+
+def noised(sample: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The forward process ``x_t = (1 - t) x0 + t noise`` for ``sample``/``noise [B, ...]``, ``t [B]``."""
+    t = t.reshape(t.shape[0], *([1] * (sample.ndim - 1))).to(sample.dtype)  # [B, 1, ...]
+    return (1 - t) * sample + t * noise
+
+
+def nft_loss(
+    velocity: torch.Tensor,
+    old_velocity: torch.Tensor,
+    sample: torch.Tensor,
+    noisy: torch.Tensor,
+    t: torch.Tensor,
+    advantages: torch.Tensor,
+    beta: float,
+    adv_clip_max: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DiffusionNFT's loss (a scalar) at one noise level per row, and detached diagnostics.
+
+    ``sample [B, ...]`` is the rollout's clean latent x0, ``noisy [B, ...]`` the denoiser's input
+    ``noised(sample, noise, t)`` at noise level ``t [B]``, ``velocity`` its prediction with the
+    current weights (carries the gradient) and ``old_velocity`` with the weights that sampled (a
+    constant). With ``r = 1/2 + clamp(A, -c, c) / (2c)`` (``c =
+    adv_clip_max``) the share of "good" in the row, the implicit positive and negative policies
+
+        v+ = (1 - beta) v_old + beta v        v- = (1 + beta) v_old - beta v
+
+    are fitted to the flow-matching target with weights r and 1 - r:
+    ``loss = mean_B(r * e(v+) + (1 - r) * e(v-))``. ``e`` is the squared error of the x0 the
+    velocity implies (``x_t - t v``), averaged over elements and divided by the old policy's mean
+    absolute x0 error (DiffusionNFT's adaptive weighting: no row or noise level dominates by scale).
+
+    Why it can learn faster than a policy gradient: expanding the squares, each row's loss is (up
+    to its weight) ``const + 2 beta (2r - 1) <v - v_old, v_old - target> + beta^2 |v - v_old|^2``:
+    a pull of the velocity towards its own sample's flow-matching target (a push away for
+    r < 1/2) with a built-in trust region around v_old, and no sampler noise in the gradient.
+
+    Diagnostics: ``nft_r_mean`` (mean r), ``nft_old_error`` (the old policy's mean x0 squared
+    error), ``nft_drift`` (mean squared ``v - v_old``), ``adv_clamped_frac``.
+    """
+    if not (isinstance(beta, (int, float)) and beta > 0 and math.isfinite(beta)):
+        raise ValueError(f"beta must be a finite float > 0, got {beta!r}")
+    if not (isinstance(adv_clip_max, (int, float)) and 0 < adv_clip_max < math.inf):
+        raise ValueError(f"adv_clip_max must be a finite float > 0 for nft_loss, got {adv_clip_max!r}")
+    if not velocity.shape == old_velocity.shape == sample.shape == noisy.shape:
+        raise ValueError("velocity, old_velocity, sample and noisy must have one shape, got "
+                         f"{[tuple(x.shape) for x in (velocity, old_velocity, sample, noisy)]}")
+    batch = velocity.shape[0]
+    if advantages.shape != (batch,) or t.shape != (batch,):
+        raise ValueError(f"advantages and t must be [B] with B={batch}, got {tuple(advantages.shape)} and {tuple(t.shape)}")
+    old_velocity, advantages = old_velocity.detach(), advantages.detach()
+    t_ = t.detach().reshape(batch, *([1] * (velocity.ndim - 1))).to(velocity.dtype)  # [B, 1, ...]
+
+    def x0_error(v: torch.Tensor) -> torch.Tensor:  # [B, ...]
+        return noisy - t_ * v - sample
+
+    # 1. r in [0, 1] from the clamped advantage; the two implicit policies.
+    clamped = advantages.clamp(-adv_clip_max, adv_clip_max)  # [B]
+    r = 0.5 + clamped / (2 * adv_clip_max)  # [B]
+    positive = (1 - beta) * old_velocity + beta * velocity
+    negative = (1 + beta) * old_velocity - beta * velocity
+
+    # 2. Self-normalized x0 errors, weighted by r and 1 - r.
+    scale = x0_error(old_velocity).abs().reshape(batch, -1).mean(dim=1).clamp_min(1e-5)  # [B]
+    pos_err = x0_error(positive).pow(2).reshape(batch, -1).mean(dim=1) / scale  # [B]
+    neg_err = x0_error(negative).pow(2).reshape(batch, -1).mean(dim=1) / scale  # [B]
+    loss = (r * pos_err + (1 - r) * neg_err).mean()
+
+    with torch.no_grad():
+        diagnostics = {
+            "nft_r_mean": r.mean(),
+            "nft_old_error": x0_error(old_velocity).pow(2).mean(),
+            "nft_drift": (velocity.detach() - old_velocity).pow(2).mean(),
             "adv_clamped_frac": (clamped != advantages).float().mean(),
         }
     return loss, diagnostics

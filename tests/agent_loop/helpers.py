@@ -14,7 +14,7 @@ PROMPTS = ["a red circle", "two blue squares", "a green triangle", "three circle
 
 CONTRACT_TENSORS = {
     "prompts", "attention_mask", "responses", "rollout_log_probs", "all_latents", "all_timesteps",
-    "all_next_timesteps", "prompt_embeds", "prompt_embeds_mask", "rm_scores",
+    "all_next_timesteps", "final_latents", "prompt_embeds", "prompt_embeds_mask", "rm_scores",
 }
 SHAPES_EXTRA_KEYS = ["correct", "constraints", "reward_error"]
 CONTRACT_NON_TENSORS = {"raw_prompt", "uid", "__num_turns__", *SHAPES_EXTRA_KEYS}

@@ -151,7 +151,7 @@ def _bad(model, field):
         "prompt_ids": lambda: RolloutRequest("bad", too_long, ok.sampling_params),
         "vocabulary": lambda: RolloutRequest("bad", torch.tensor([2, 10_000]), ok.sampling_params),
         "negative_prompt_ids": lambda: request(model, "bad", negative="a blue square"),
-        "logprobs": lambda: request(model, "bad", sampler="ode"),
+        "logprobs": lambda: request(model, "bad", logprobs="yes"),
         "noise_level": lambda: request(model, "bad", noise_level=-0.1),
         "logprob_mode": lambda: request(model, "bad", sampler="cps", logprob_mode="exact"),
         "seed": lambda: request(model, "bad", seed=-1),
