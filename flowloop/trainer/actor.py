@@ -144,21 +144,8 @@ class Actor:
                 for j in range(trained):
                     if nft:
                         loss, diag = self._nft_term(rows, adv, j)
-                        (loss / (trained * micro_per_mini)).backward()
-                        _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
-                        continue
-                    out = self.replay(rows, j)
-                    if first:  # weights still those of the rollout
-                        correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
-                    loss, diag = flow_grpo_loss(out.log_prob, rows[old_key][:, j], adv, cfg.clip_range, cfg.adv_clip_max)
-                    if cfg.kl_coef > 0:
-                        with torch.no_grad():
-                            ref = self.replay(rows, j, reference=True)
-                        dt = rows["all_next_timesteps"][:, j] - rows["all_timesteps"][:, j]
-                        kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None,
-                                     mode=cfg.kl_mode).mean()
-                        loss = loss + cfg.kl_coef * kl
-                        diag = {**diag, "kl_loss": kl.detach()}
+                    else:  # on the first micro-batch the weights are still those of the rollout
+                        loss, diag = self._flow_grpo_term(rows, adv, j, old_key, correction if first else None)
                     (loss / (trained * micro_per_mini)).backward()
                     _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
                 first = False
@@ -173,6 +160,25 @@ class Actor:
             metrics["rollout_correction/mean"] = float(all_correction.mean())
             metrics["rollout_correction/max"] = float(all_correction.max())
         return metrics
+
+    def _flow_grpo_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_key: str,
+                        correction: list[torch.Tensor] | None):
+        """FlowGRPO's loss (plus the transition KL to the reference) at window step ``j``;
+        appends ``|logp_replay - logp_rollout|`` to ``correction`` when given."""
+        cfg = self.config
+        out = self.replay(rows, j)
+        if correction is not None:
+            correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
+        loss, diag = flow_grpo_loss(out.log_prob, rows[old_key][:, j], adv, cfg.clip_range, cfg.adv_clip_max)
+        if cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref = self.replay(rows, j, reference=True)
+            dt = rows["all_next_timesteps"][:, j] - rows["all_timesteps"][:, j]
+            kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None,
+                         mode=cfg.kl_mode).mean()
+            loss = loss + cfg.kl_coef * kl
+            diag = {**diag, "kl_loss": kl.detach()}
+        return loss, diag
 
     # -- DiffusionNFT -------------------------------------------------------------------
     @torch.no_grad()

@@ -55,10 +55,12 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
     assert summary["val_metric"] == "val/accuracy" and summary["before"] is not None and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
 
 
-def test_resume_is_exact(tiny_model_dir, tmp_path):
-    run(tiny_config(tiny_model_dir, tmp_path / "straight", "trainer.total_steps=4"), log=lambda _: None)
-    run(tiny_config(tiny_model_dir, tmp_path / "split", "trainer.total_steps=2"), log=lambda _: None)
-    run(tiny_config(tiny_model_dir, tmp_path / "split", "trainer.total_steps=4", "trainer.resume=auto"), log=lambda _: None)
+@pytest.mark.parametrize("objective", [[], ["actor.objective=nft", "rollout.algo.sampler=ode"]], ids=["flow_grpo", "nft"])
+def test_resume_is_exact(tiny_model_dir, tmp_path, objective):
+    run(tiny_config(tiny_model_dir, tmp_path / "straight", "trainer.total_steps=4", *objective), log=lambda _: None)
+    run(tiny_config(tiny_model_dir, tmp_path / "split", "trainer.total_steps=2", *objective), log=lambda _: None)
+    run(tiny_config(tiny_model_dir, tmp_path / "split", "trainer.total_steps=4", "trainer.resume=auto", *objective),
+        log=lambda _: None)
     straight = load_file(tmp_path / "straight" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
     resumed = load_file(tmp_path / "split" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
     assert straight.keys() == resumed.keys()
