@@ -23,8 +23,8 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_recipe_trains_one_step(family, tmp_path):
+def train_one_step(family, tmp_path, *overrides):
+    """One `flowloop train` step of ``family``'s recipe on its tiny pipeline; (summary, cfg, metrics rows)."""
     build, prompts, extra = FAMILIES[family]
     folder = build(tmp_path / family)
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
@@ -34,7 +34,7 @@ def test_recipe_trains_one_step(family, tmp_path):
         "rollout.pipeline.num_inference_steps=3", "rollout.val_kwargs.pipeline={num_inference_steps: 2}",
         "rollout.algo.sde_window_size=1", "rollout.algo.sde_window_range=[0,2]", "actor.micro_batch_size=2",
         "actor.mini_batch_size=4", "trainer.total_steps=1", "trainer.val_samples_per_category=2",
-        f"trainer.run_root={tmp_path / 'runs'}", *extra,
+        f"trainer.run_root={tmp_path / 'runs'}", *extra, *overrides,
     ], [DEFAULT_RECIPE.parent / f"{family}.yaml"])
     if family == "wan":  # per-frame over a reward that needs no model weights
         cfg.rollout.reward.kwargs = {"reward": "jpeg_compressibility", "aggregate": "mean"}
@@ -42,7 +42,24 @@ def test_recipe_trains_one_step(family, tmp_path):
         cfg.rollout.reward.name, cfg.rollout.reward.kwargs = "jpeg_compressibility", {}
     summary = run(cfg, log=lambda _: None)
     rows = [json.loads(line) for line in (tmp_path / "runs" / cfg.trainer.run_name / "metrics.jsonl").read_text().splitlines()]
+    return summary, cfg, rows
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_recipe_trains_one_step(family, tmp_path):
+    summary, cfg, rows = train_one_step(family, tmp_path)
     assert summary["val_metric"] == "val/reward" and summary["after"] is not None
     step = rows[1]
     assert step["rollout_correction/max"] <= 1e-5 and step["actor/grad_norm"] > 0
+    assert (tmp_path / "runs" / cfg.trainer.run_name / "checkpoints" / "step_000001" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_diffusion_nft_trains_on_each_family(family, tmp_path):
+    """DiffusionNFT on noise-free rollouts: the latents of an image or a video (FLUX's packed ones
+    too) are the clean samples it noises again."""
+    summary, cfg, rows = train_one_step(family, tmp_path, "actor.objective=nft", "rollout.algo.sampler=ode")
+    step = rows[1]
+    assert 0 <= step["actor/nft_r_mean"] <= 1 and step["actor/grad_norm"] > 0
+    assert "rollout_correction/max" not in step
     assert (tmp_path / "runs" / cfg.trainer.run_name / "checkpoints" / "step_000001" / "model.safetensors").is_file()
