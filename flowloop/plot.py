@@ -30,6 +30,21 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
     return means
 
 
+def rollout_sampler_and_objective(run_dir: Path) -> tuple[str, str]:
+    """How the run's training rollouts were sampled ("SDE", "ODE" for the ODE or zero noise, ...)
+    and its update's objective, from the ``config.yaml`` `flowloop train` writes (defaults when absent)."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return "SDE", "flow_grpo"
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(path)
+    algo = OmegaConf.select(cfg, "rollout.algo", default={}) or {}
+    sampler = str(algo.get("sampler", "sde"))
+    noise_free = sampler == "ode" or algo.get("noise_level", 1.0) == 0
+    return "ODE" if noise_free else sampler.upper(), str(OmegaConf.select(cfg, "actor.objective", default="flow_grpo"))
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write a two-panel PNG (training accuracy by category per step; held-out accuracy by
     category per validation, same colours) and return its path."""
@@ -59,7 +74,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     left.set_xlabel("step")
     left.set_ylim(0, 1.02)
     measure = "accuracy" if overall == "reward/correct" else "reward"
-    left.set_title(f"training {measure} (SDE rollouts; mean of the last 10 steps, grey: each step)", fontsize=9)
+    sampler, objective = rollout_sampler_and_objective(run_dir)
+    left.set_title(f"training {measure} ({sampler} rollouts; mean of the last 10 steps, grey: each step)", fontsize=9)
     left.grid(alpha=0.3)
     for name in val_categories:
         right.plot([r["step"] for r in val], [r.get(f"val/{name}/accuracy") for r in val], lw=1, color=colour[name], label=name)
@@ -72,7 +88,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for axis in (left, right):
         handles.update((label, line) for line, label in zip(*axis.get_legend_handles_labels()))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.suptitle(run_dir.name)
+    fig.suptitle(f"{run_dir.name} ({objective})")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     out = Path(out) if out else run_dir / "curve.png"
     fig.savefig(out)

@@ -51,3 +51,20 @@ def test_trailing_mean_uses_fewer_values_at_the_start():
     from flowloop.plot import trailing_mean
 
     assert trailing_mean([1.0, 3.0, 5.0, 7.0], 3) == [1.0, 2.0, 3.0, 5.0]
+
+
+@pytest.mark.parametrize("algo, actor, expected", [
+    (None, None, ("SDE", "flow_grpo")),  # no config.yaml: the defaults
+    ({"sampler": "sde", "noise_level": 1.0}, {}, ("SDE", "flow_grpo")),
+    ({"sampler": "cps", "noise_level": 0.5}, {"objective": "flow_grpo"}, ("CPS", "flow_grpo")),
+    ({"sampler": "ode"}, {"objective": "nft"}, ("ODE", "nft")),
+    ({"sampler": "sde", "noise_level": 0.0}, {"objective": "nft"}, ("ODE", "nft")),  # zero noise is the Euler step
+])
+def test_the_panels_name_the_rollout_sampler_and_objective_from_the_run_config(tmp_path, algo, actor, expected):
+    from omegaconf import OmegaConf
+
+    from flowloop.plot import rollout_sampler_and_objective
+
+    if algo is not None:
+        OmegaConf.save(OmegaConf.create({"rollout": {"algo": algo}, "actor": actor}), tmp_path / "config.yaml")
+    assert rollout_sampler_and_objective(tmp_path) == expected
