@@ -1,6 +1,7 @@
 """DiffusionNFT (``actor.objective=nft``): the loss against a hand-worked batch and its gradient
-in closed form, the forward process, the config checks, the rollout's ``final_latents``, and
-`Actor.update` on a real batch of the tiny random model (weights move, deterministically)."""
+in closed form, the forward process, the config checks, and
+`Actor.update` on a real batch of the tiny random model (weights move, deterministically); what the
+rollout records for it is in tests/rollout/test_final_latents.py."""
 
 from __future__ import annotations
 
@@ -14,13 +15,12 @@ from flowloop.agent_loop import AgentLoopManager
 from flowloop.config import load_config
 from flowloop.config.train import ActorConfig, TrainConfig
 from flowloop.protocol import Batch
-from flowloop.rollout import RolloutEngine, SamplingParams
+from flowloop.rollout import SamplingParams
 from flowloop.trainer.actor import Actor
 from flowloop.trainer.losses import nft_loss, noised
 from flowloop.trainer.recipe import run
 from tests.agent_loop.helpers import PROMPTS, prompt_batch, small_config
 from tests.conftest import make_tiny_model
-from tests.rollout.helpers import request
 from tests.trainer.test_recipe import metrics, tiny_config
 
 # ---- nft_loss by hand -----------------------------------------------------------------------
@@ -162,47 +162,6 @@ def test_nft_accepts_what_flow_grpo_cannot_learn_from():
     cfg = load_config(TrainConfig, ["actor.objective=nft", "rollout.algo.noise_level=0", "actor.nft_beta=0.1",
                                     "actor.nft_timesteps=3", "actor.nft_time_range=[0.2,0.8]"])
     assert cfg.actor.objective == "nft" and cfg.actor.nft_timesteps == 3 and list(cfg.actor.nft_time_range) == [0.2, 0.8]
-
-
-# ---- rollout: final_latents ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    return RolloutEngine(model)
-
-
-def test_sde_rollout_returns_the_latent_its_image_decodes_from(engine, model):
-    out, quiet = engine.sample([request(model, "a", seed=3), request(model, "b", seed=4)])
-    final = out.extra_fields["final_latents"]
-    assert final.shape == model.latent_shape(16, 16) == (3, 16, 16) and final.dtype == torch.float32
-    assert torch.equal(model.decode(final[None])[0], out.diffusion_output)
-    assert final._base is None  # owns its storage, like every other output tensor
-    assert not torch.equal(final, quiet.extra_fields["final_latents"])
-    off = engine.sample([request(model, "c", seed=3, logprobs=False), request(model, "d", seed=4, logprobs=False)])[0]
-    assert "final_latents" not in off.extra_fields and off.log_probs is None
-    assert torch.equal(off.diffusion_output, out.diffusion_output)  # the same sample, only not recorded
-
-
-def test_noise_level_0_samples_the_ode_and_records_its_clean_latent(engine, model):
-    """What ``actor.objective=nft rollout.algo.noise_level=0`` trains on: the evaluation's ODE sample."""
-    sde0 = engine.sample([request(model, "s", seed=5, noise_seed=11, noise_level=0.0)])[0]
-    ode = engine.sample([request(model, "o", seed=5, noise_seed=11, sampler="ode", logprobs=False)])[0]
-    assert torch.equal(sde0.log_probs, torch.zeros(5))  # deterministic steps: nothing for flow_grpo
-    torch.testing.assert_close(model.decode(sde0.extra_fields["final_latents"][None])[0], ode.diffusion_output,
-                               rtol=0, atol=1e-6)
-
-
-def test_ode_rollout_with_logprobs_returns_final_latents_and_no_window(engine, model):
-    out = engine.sample([request(model, "o", seed=5, sampler="ode")])[0]
-    assert out.log_probs.shape == (0,)
-    assert "all_latents" not in out.extra_fields
-    assert torch.equal(model.decode(out.extra_fields["final_latents"][None])[0], out.diffusion_output)
 
 
 # ---- actor --------------------------------------------------------------------------------------
