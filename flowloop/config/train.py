@@ -82,8 +82,9 @@ class ActorConfig:
     objective: str = "flow_grpo"
     """``flow_grpo``: the clipped policy gradient on the SDE window's log-probs. ``nft``:
     DiffusionNFT (`flowloop.trainer.losses.nft_loss`), the flow-matching loss on the rollout's
-    clean samples weighted by advantage; needs no log-probs, so any sampler works (even
-    ``rollout.algo.noise_level=0``, the ODE the evaluation samples with); ``clip_range`` is unused."""
+    clean samples weighted by advantage; needs no log-probs, so any sampler works, the ODE the
+    evaluation samples with included (``rollout.algo.sampler=ode``); ``clip_range``,
+    ``timestep_fraction`` and the SDE window settings are then unused."""
     nft_beta: float = 1.0
     """DiffusionNFT's beta: how far the implicit positive/negative policies sit from the old one
     (smaller = a stronger pull per unit of advantage, a wider trust region)."""
@@ -197,7 +198,7 @@ class TrainConfig:
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
         _choice("actor.kl_mode", self.actor.kl_mode, KL_MODES)
         _choice("actor.objective", self.actor.objective, ACTOR_OBJECTIVES)
-        self._validate_nft()
+        self._validate_objective()
         _choice("actor.lr_schedule", self.actor.lr_schedule, LR_SCHEDULES)
         if not 0.0 <= self.actor.lr_final_ratio <= 1.0:
             raise ValueError(f"actor.lr_final_ratio must be in [0, 1], got {self.actor.lr_final_ratio}")
@@ -256,7 +257,8 @@ class TrainConfig:
         if not self.rollout.calculate_log_probs:
             raise ValueError("rollout.calculate_log_probs must be true for training: the update needs the recorded latents")
 
-    def _validate_nft(self) -> None:
+    def _validate_objective(self) -> None:
+        """The DiffusionNFT settings, and the samplers each objective can learn from."""
         actor = self.actor
         if actor.nft_beta <= 0:
             raise ValueError(f"actor.nft_beta must be > 0, got {actor.nft_beta}")
