@@ -129,7 +129,6 @@ class Actor:
             trained = max(1, math.ceil(cfg.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
             if not cfg.skip_old_logprob:
                 tensors["old_log_probs"] = self._old_log_probs(tensors, trained)
-        old_key = "rollout_log_probs" if cfg.skip_old_logprob else "old_log_probs"
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         correction: list[torch.Tensor] = []
@@ -143,9 +142,12 @@ class Actor:
                 adv = advantages[rows_idx]
                 for j in range(trained):
                     if nft:
-                        loss, diag = self._nft_term(rows, adv, j)
+                        loss, diag, kl = self._nft_term(rows, adv, j)
                     else:  # on the first micro-batch the weights are still those of the rollout
-                        loss, diag = self._flow_grpo_term(rows, adv, j, old_key, correction if first else None)
+                        loss, diag, kl = self._flow_grpo_term(rows, adv, j, correction if first else None)
+                    if kl is not None:
+                        loss = loss + cfg.kl_coef * kl
+                        diag = {**diag, "kl_loss": kl.detach()}
                     (loss / (trained * micro_per_mini)).backward()
                     _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
                 first = False
@@ -161,24 +163,24 @@ class Actor:
             metrics["rollout_correction/max"] = float(all_correction.max())
         return metrics
 
-    def _flow_grpo_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_key: str,
+    def _flow_grpo_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int,
                         correction: list[torch.Tensor] | None):
-        """FlowGRPO's loss (plus the transition KL to the reference) at window step ``j``;
-        appends ``|logp_replay - logp_rollout|`` to ``correction`` when given."""
+        """FlowGRPO's loss, its diagnostics and the transition KL to the reference (None without
+        a KL term) at window step ``j``; appends ``|logp_replay - logp_rollout|`` to ``correction``
+        when given."""
         cfg = self.config
         out = self.replay(rows, j)
         if correction is not None:
             correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
-        loss, diag = flow_grpo_loss(out.log_prob, rows[old_key][:, j], adv, cfg.clip_range, cfg.adv_clip_max)
-        if cfg.kl_coef > 0:
-            with torch.no_grad():
-                ref = self.replay(rows, j, reference=True)
-            dt = rows["all_next_timesteps"][:, j] - rows["all_timesteps"][:, j]
-            kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None,
-                         mode=cfg.kl_mode).mean()
-            loss = loss + cfg.kl_coef * kl
-            diag = {**diag, "kl_loss": kl.detach()}
-        return loss, diag
+        old = rows["rollout_log_probs" if cfg.skip_old_logprob else "old_log_probs"][:, j]
+        loss, diag = flow_grpo_loss(out.log_prob, old, adv, cfg.clip_range, cfg.adv_clip_max)
+        if cfg.kl_coef == 0:
+            return loss, diag, None
+        with torch.no_grad():
+            ref = self.replay(rows, j, reference=True)
+        dt = rows["all_next_timesteps"][:, j] - rows["all_timesteps"][:, j]
+        kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None, mode=cfg.kl_mode)
+        return loss, diag, kl.mean()
 
     # -- DiffusionNFT -------------------------------------------------------------------
     @torch.no_grad()
@@ -201,19 +203,18 @@ class Actor:
         return {"nft_t": t, "nft_noisy": noisy, "nft_old_velocity": old}
 
     def _nft_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int):
-        """DiffusionNFT's loss (plus the velocity KL to the reference) at the rows' ``j``-th noise level."""
+        """DiffusionNFT's loss, its diagnostics and the velocity KL to the reference (None without
+        a KL term) at the rows' ``j``-th noise level."""
         cfg = self.config
         x, t = rows["nft_noisy"][:, j], rows["nft_t"][:, j]
         v = self.velocity(rows, x, t).float()
         loss, diag = nft_loss(v, rows["nft_old_velocity"][:, j], rows["final_latents"], x, t, adv,
                               cfg.nft_beta, cfg.adv_clip_max)
-        if cfg.kl_coef > 0:
-            with torch.no_grad():
-                v_ref = self.velocity(rows, x, t, reference=True).float()
-            kl = kl_loss(v, v_ref, 1.0, mode="exact").mean()  # mean (v - v_ref)^2 / 2
-            loss = loss + cfg.kl_coef * kl
-            diag = {**diag, "kl_loss": kl.detach()}
-        return loss, diag
+        if cfg.kl_coef == 0:
+            return loss, diag, None
+        with torch.no_grad():
+            v_ref = self.velocity(rows, x, t, reference=True).float()
+        return loss, diag, kl_loss(v, v_ref, 1.0, mode="exact").mean()  # mean (v - v_ref)^2 / 2
 
     def _optimizer_step(self) -> torch.Tensor:
         params = [p for p in self.module.parameters() if p.requires_grad]
