@@ -129,28 +129,29 @@ class Actor:
             trained = max(1, math.ceil(cfg.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
             if not cfg.skip_old_logprob:
                 tensors["old_log_probs"] = self._old_log_probs(tensors, trained)
+        orders = [torch.randperm(len(batch), generator=generator).to(device) for _ in range(cfg.inner_epochs)]
+        if nft:  # rows of the first mini-batch get theirs from the training forward itself
+            tensors["nft_old_velocity"] = self._nft_old_velocities(tensors, orders[0][cfg.mini_batch_size:])
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         correction: list[torch.Tensor] = []
         grad_norms = []
-        first = True
-        for _epoch in range(cfg.inner_epochs):
-            order = torch.randperm(len(batch), generator=generator).to(device)
+        for order in orders:
             micro_batches = order.split(cfg.micro_batch_size)
             for m, rows_idx in enumerate(micro_batches):
                 rows = {k: v[rows_idx] for k, v in tensors.items()}
                 adv = advantages[rows_idx]
+                fresh = not grad_norms  # no optimizer step yet: the weights are those of the rollout
                 for j in range(trained):
                     if nft:
-                        loss, diag, kl = self._nft_term(rows, adv, j)
-                    else:  # on the first micro-batch the weights are still those of the rollout
-                        loss, diag, kl = self._flow_grpo_term(rows, adv, j, correction if first else None)
+                        loss, diag, kl = self._nft_term(rows, adv, j, tensors["nft_old_velocity"], rows_idx, fresh)
+                    else:
+                        loss, diag, kl = self._flow_grpo_term(rows, adv, j, correction if fresh else None)
                     if kl is not None:
                         loss = loss + cfg.kl_coef * kl
                         diag = {**diag, "kl_loss": kl.detach()}
                     (loss / (trained * micro_per_mini)).backward()
                     _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
-                first = False
                 if (m + 1) % micro_per_mini == 0 or m == len(micro_batches) - 1:
                     grad_norms.append(self._optimizer_step())
         metrics = {f"actor/{k}": sums[k] / counts[k] for k in sums}
@@ -185,9 +186,8 @@ class Actor:
     # -- DiffusionNFT -------------------------------------------------------------------
     @torch.no_grad()
     def _nft_draws(self, tensors: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """Per row and trained term: a noise level ``nft_t [B, K]``, the noised clean sample
-        ``nft_noisy [B, K, ...]`` and the sampling weights' velocity there ``nft_old_velocity``
-        (before any optimizer step of this update, so "old" is the policy that sampled)."""
+        """Per row and trained term: a noise level ``nft_t [B, K]`` and the noised clean sample
+        ``nft_noisy [B, K, ...]``."""
         cfg = self.config
         sample = tensors["final_latents"]  # [B, ...]
         rows, k = sample.shape[0], cfg.nft_timesteps
@@ -195,20 +195,36 @@ class Actor:
         t = (lo + (hi - lo) * torch.rand((rows, k), generator=generator)).to(sample.device)  # [B, K]
         noise = torch.randn((rows, k, *sample.shape[1:]), generator=generator).to(sample.device)  # [B, K, ...]
         noisy = torch.stack([noised(sample, noise[:, j], t[:, j]) for j in range(k)], dim=1)  # [B, K, ...]
-        old = torch.empty_like(noisy)
-        for idx in torch.arange(rows, device=sample.device).split(cfg.micro_batch_size):
-            part = {key: value[idx] for key, value in tensors.items()}
-            for j in range(k):
-                old[idx, j] = self.velocity(part, noisy[idx, j], t[idx, j]).float()
-        return {"nft_t": t, "nft_noisy": noisy, "nft_old_velocity": old}
+        return {"nft_t": t, "nft_noisy": noisy}
 
-    def _nft_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int):
+    @torch.no_grad()
+    def _nft_old_velocities(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """The sampling weights' velocity at every ``nft_noisy`` of ``rows``, ``[B, K, ...]``
+        (NaN for the other rows), computed before any optimizer step of this update.
+
+        Why only some rows: the rows trained before the first optimizer step see the sampling
+        weights in their own training forward, which `_nft_term` detaches and stores instead of
+        running a second, no-grad forward. With ``mini_batch_size`` >= the batch (one optimizer
+        step per update) this pass runs on no row at all."""
+        old = torch.full_like(tensors["nft_noisy"], math.nan)
+        for idx in rows.split(self.config.micro_batch_size) if len(rows) else ():
+            part = {key: value[idx] for key, value in tensors.items()}
+            for j in range(self.config.nft_timesteps):
+                old[idx, j] = self.velocity(part, part["nft_noisy"][:, j], part["nft_t"][:, j]).float()
+        return old
+
+    def _nft_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_velocity: torch.Tensor,
+                  rows_idx: torch.Tensor, fresh: bool):
         """DiffusionNFT's loss, its diagnostics and the velocity KL to the reference (None without
-        a KL term) at the rows' ``j``-th noise level."""
+        a KL term) at the rows' ``j``-th noise level. ``old_velocity [B, K, ...]`` holds the
+        sampling weights' velocities; while the weights are still those (``fresh``) the rows'
+        own velocity is theirs and is stored there for later epochs."""
         cfg = self.config
         x, t = rows["nft_noisy"][:, j], rows["nft_t"][:, j]
         v = self.velocity(rows, x, t).float()
-        loss, diag = nft_loss(v, rows["nft_old_velocity"][:, j], rows["final_latents"], x, t, adv,
+        if fresh:
+            old_velocity[rows_idx, j] = v.detach()
+        loss, diag = nft_loss(v, old_velocity[rows_idx, j], rows["final_latents"], x, t, adv,
                               cfg.nft_beta, cfg.adv_clip_max)
         if cfg.kl_coef == 0:
             return loss, diag, None

@@ -222,6 +222,20 @@ def test_old_velocity_is_the_sampling_policys(nft_batch):
     assert two_steps["actor/kl_loss"] == pytest.approx(two_steps["actor/nft_drift"] / 2, rel=1e-3)
 
 
+def test_old_velocity_pass_skips_the_first_mini_batch(nft_batch):
+    """Rows trained before the first optimizer step take their old velocity from their own
+    training forward, so the separate no-grad pass runs on the other rows only: 4 rows x 2 noise
+    levels = 8 rows through the denoiser with one optimizer step, 8 + 2 x 2 with two."""
+    batch, sampling = nft_batch
+    for mini_batch_size, expected_rows in ((4, 8), (2, 12)):
+        config = ActorConfig(objective="nft", micro_batch_size=2, mini_batch_size=mini_batch_size, lr=1e-3)
+        actor = Actor(make_tiny_model(), config, sampling, seed=0)
+        seen = []
+        actor.module.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
+        stats = actor.update(batch, ADVANTAGES, torch.Generator().manual_seed(0))
+        assert sum(seen) == expected_rows and math.isfinite(stats["actor/policy_loss"])
+
+
 # ---- recipe -------------------------------------------------------------------------------------
 
 
