@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="e.g. steps=20000 batch_size=256 out=runs/pretrain")
     p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("train", help="FlowGRPO on the embedded shapes model (key=value overrides, e.g. rollout.n=8)")
+    p = sub.add_parser("train", help="RL on the embedded shapes model: DiffusionNFT by default, FlowGRPO with --config flowloop/config/recipes/shapes_flow_grpo.yaml (key=value overrides, e.g. rollout.n=8)")
     p.add_argument("overrides", nargs="*", help="e.g. rollout.n=8 actor.lr=2e-5 trainer.total_steps=100")
     p.add_argument("--config", default=None, help="YAML recipe merged before the overrides (default: flowloop/config/recipes/shapes.yaml)")
     p.set_defaults(func=cmd_train)
