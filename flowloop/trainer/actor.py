@@ -127,11 +127,10 @@ class Actor:
             keys = ["all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs", *embed_keys]
             tensors = {k: batch[k].to(device) for k in keys}
             trained = max(1, math.ceil(cfg.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
-            if not cfg.skip_old_logprob:
-                tensors["old_log_probs"] = self._old_log_probs(tensors, trained)
         orders = [torch.randperm(len(batch), generator=generator).to(device) for _ in range(cfg.inner_epochs)]
-        if nft:  # rows of the first mini-batch get theirs from the training forward itself
-            tensors["nft_old_velocity"] = self._nft_old_velocities(tensors, orders[0][cfg.mini_batch_size:])
+        old = None  # the sampling weights' velocity (NFT) or log-prob (FlowGRPO's old-log-prob pass)
+        if nft or not cfg.skip_old_logprob:
+            old = self._sampling_weights_pass(tensors, orders[0][cfg.mini_batch_size:], trained, nft)
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         correction: list[torch.Tensor] = []
@@ -144,9 +143,10 @@ class Actor:
                 fresh = not grad_norms  # no optimizer step yet: the weights are those of the rollout
                 for j in range(trained):
                     if nft:
-                        loss, diag, kl = self._nft_term(rows, adv, j, tensors["nft_old_velocity"], rows_idx, fresh)
+                        loss, diag, kl = self._nft_term(rows, adv, j, _old_values(old, rows_idx, j, fresh))
                     else:
-                        loss, diag, kl = self._flow_grpo_term(rows, adv, j, correction if fresh else None)
+                        loss, diag, kl = self._flow_grpo_term(rows, adv, j, _old_values(old, rows_idx, j, fresh),
+                                                              correction if fresh else None)
                     if kl is not None:
                         loss = loss + cfg.kl_coef * kl
                         diag = {**diag, "kl_loss": kl.detach()}
@@ -164,16 +164,16 @@ class Actor:
             metrics["rollout_correction/max"] = float(all_correction.max())
         return metrics
 
-    def _flow_grpo_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int,
+    def _flow_grpo_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_values,
                         correction: list[torch.Tensor] | None):
         """FlowGRPO's loss, its diagnostics and the transition KL to the reference (None without
         a KL term) at window step ``j``; appends ``|logp_replay - logp_rollout|`` to ``correction``
-        when given."""
+        when given. ``old_values`` (`_old_values`) gives logp_old; None: the rollout's own."""
         cfg = self.config
         out = self.replay(rows, j)
         if correction is not None:
             correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
-        old = rows["rollout_log_probs" if cfg.skip_old_logprob else "old_log_probs"][:, j]
+        old = rows["rollout_log_probs"][:, j] if old_values is None else old_values(out.log_prob)
         loss, diag = flow_grpo_loss(out.log_prob, old, adv, cfg.clip_range, cfg.adv_clip_max)
         if cfg.kl_coef == 0:
             return loss, diag, None
@@ -197,35 +197,14 @@ class Actor:
         noisy = torch.stack([noised(sample, noise[:, j], t[:, j]) for j in range(k)], dim=1)  # [B, K, ...]
         return {"nft_t": t, "nft_noisy": noisy}
 
-    @torch.no_grad()
-    def _nft_old_velocities(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        """The sampling weights' velocity at every ``nft_noisy`` of ``rows``, ``[B, K, ...]``
-        (NaN for the other rows), computed before any optimizer step of this update.
-
-        Why only some rows: the rows trained before the first optimizer step see the sampling
-        weights in their own training forward, which `_nft_term` detaches and stores instead of
-        running a second, no-grad forward. With ``mini_batch_size`` >= the batch (one optimizer
-        step per update) this pass runs on no row at all."""
-        old = torch.full_like(tensors["nft_noisy"], math.nan)
-        for idx in rows.split(self.config.micro_batch_size) if len(rows) else ():
-            part = {key: value[idx] for key, value in tensors.items()}
-            for j in range(self.config.nft_timesteps):
-                old[idx, j] = self.velocity(part, part["nft_noisy"][:, j], part["nft_t"][:, j]).float()
-        return old
-
-    def _nft_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_velocity: torch.Tensor,
-                  rows_idx: torch.Tensor, fresh: bool):
+    def _nft_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_values):
         """DiffusionNFT's loss, its diagnostics and the velocity KL to the reference (None without
-        a KL term) at the rows' ``j``-th noise level. ``old_velocity [B, K, ...]`` holds the
-        sampling weights' velocities; while the weights are still those (``fresh``) the rows'
-        own velocity is theirs and is stored there for later epochs."""
+        a KL term) at the rows' ``j``-th noise level; ``old_values`` (`_old_values`) gives the
+        sampling weights' velocity."""
         cfg = self.config
         x, t = rows["nft_noisy"][:, j], rows["nft_t"][:, j]
         v = self.velocity(rows, x, t).float()
-        if fresh:
-            old_velocity[rows_idx, j] = v.detach()
-        loss, diag = nft_loss(v, old_velocity[rows_idx, j], rows["final_latents"], x, t, adv,
-                              cfg.nft_beta, cfg.adv_clip_max)
+        loss, diag = nft_loss(v, old_values(v), rows["final_latents"], x, t, adv, cfg.nft_beta, cfg.adv_clip_max)
         if cfg.kl_coef == 0:
             return loss, diag, None
         with torch.no_grad():
@@ -247,14 +226,40 @@ class Actor:
         return norm.detach().cpu()
 
     @torch.no_grad()
-    def _old_log_probs(self, tensors: dict[str, torch.Tensor], trained: int) -> torch.Tensor:
-        """A separate replay pass with the pre-update weights (when not skipped)."""
-        out = torch.zeros_like(tensors["rollout_log_probs"])
-        for rows_idx in torch.arange(len(out), device=out.device).split(self.config.micro_batch_size):
-            rows = {k: v[rows_idx] for k, v in tensors.items()}
+    def _sampling_weights_pass(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor, trained: int,
+                               nft: bool) -> torch.Tensor:
+        """What the loss compares against, computed with the weights that sampled, before any
+        optimizer step of this update: the velocity at every ``nft_noisy`` (NFT, ``[B, K, ...]``)
+        or the replayed log-prob of every trained window step (FlowGRPO, ``[B, T]``), for ``rows``
+        only (NaN elsewhere).
+
+        Why only some rows: the rows trained before the first optimizer step see those weights in
+        their own training forward, which `_old_values` detaches and stores instead of running a
+        second, no-grad forward. With ``mini_batch_size`` >= the batch (one optimizer step per
+        update) this pass runs on no row at all."""
+        out = torch.full_like(tensors["nft_noisy" if nft else "rollout_log_probs"], math.nan)
+        for idx in rows.split(self.config.micro_batch_size) if len(rows) else ():
+            part = {key: value[idx] for key, value in tensors.items()}
             for j in range(trained):
-                out[rows_idx, j] = self.replay(rows, j).log_prob
+                out[idx, j] = (self.velocity(part, part["nft_noisy"][:, j], part["nft_t"][:, j]).float() if nft
+                               else self.replay(part, j).log_prob)
         return out
+
+
+def _old_values(store: torch.Tensor | None, rows_idx: torch.Tensor, j: int, fresh: bool):
+    """A function of the rows' current value (velocity or log-prob) at term ``j`` that returns the
+    sampling weights' value: while no optimizer step has been made (``fresh``) that is the current
+    value itself, detached, and it is stored for later epochs; afterwards, the stored one. None
+    when there is no store (FlowGRPO with ``skip_old_logprob``)."""
+    if store is None:
+        return None
+
+    def values(current: torch.Tensor) -> torch.Tensor:
+        if fresh:
+            store[rows_idx, j] = current.detach()
+        return store[rows_idx, j]
+
+    return values
 
 
 def lr_factor(config: ActorConfig, total_steps: int | None):

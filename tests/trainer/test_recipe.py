@@ -55,6 +55,23 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
     assert summary["val_metric"] == "val/accuracy" and summary["before"] is not None and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
 
 
+def test_the_old_log_prob_pass_gives_the_rollouts_log_probs(tiny_model_dir, tmp_path):
+    """``actor.skip_old_logprob=false`` replays logp_old with the sampling weights (the second
+    mini-batch's rows in a no-grad pass, the first's from their own training forward); replay
+    being exact here, the run ends with the same weights and metrics as one that takes the
+    rollout's log-probs, up to the replay's rounding (|logp_replay - logp_rollout| <= 1.2e-7 here)."""
+    two_steps = ["trainer.total_steps=2", "actor.micro_batch_size=2"]  # 8 rows, two optimizer steps
+    run(tiny_config(tiny_model_dir, tmp_path / "skip", *two_steps), log=lambda _: None)
+    run(tiny_config(tiny_model_dir, tmp_path / "pass", *two_steps, "actor.skip_old_logprob=false"), log=lambda _: None)
+    skip_rows, pass_rows = metrics(tmp_path / "skip" / "shapes"), metrics(tmp_path / "pass" / "shapes")
+    assert len(skip_rows) == len(pass_rows)
+    for skip_row, pass_row in zip(skip_rows, pass_rows):
+        assert pass_row == pytest.approx(skip_row, rel=1e-3, abs=1e-9)
+    assert [r["actor/optimizer_steps"] for r in pass_rows if "actor/optimizer_steps" in r] == [2, 2]
+    skip, replayed = (load_file(tmp_path / d / "shapes" / "checkpoints" / "step_000002" / "model.safetensors") for d in ("skip", "pass"))
+    assert all(torch.allclose(skip[k], replayed[k], rtol=0, atol=1e-6) for k in skip)
+
+
 @pytest.mark.parametrize("objective", [[], ["actor.objective=nft", "rollout.algo.sampler=ode"]], ids=["flow_grpo", "nft"])
 def test_resume_is_exact(tiny_model_dir, tmp_path, objective):
     run(tiny_config(tiny_model_dir, tmp_path / "straight", "trainer.total_steps=4", *objective), log=lambda _: None)
