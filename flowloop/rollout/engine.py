@@ -107,6 +107,19 @@ class RolloutEngine:
         self.cpu_shards = cpu_shards
         self._empty_prompt_ids = encode_chat(model.tokenizer, [{"role": "user", "content": ""}])  # the unconditional prompt
 
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (names of the model's trainable module: every weight, or LoRA adapters
+        only) into the weights this engine samples with. A name the module lacks is an error:
+        a replica built without the trainer's LoRA layout would otherwise sample a stale policy."""
+        params = self.model.trainable_module().state_dict(keep_vars=True)
+        unknown = [name for name in state if name not in params]
+        if unknown:
+            raise ValueError(f"weights {unknown[:3]} (of {len(state)}) are not in the rollout model's denoiser; "
+                             "was it built with the trainer's finetune mode and LoRA settings?")
+        for name, value in state.items():
+            params[name].copy_(value)
+
     # -- intake -------------------------------------------------------------------------
     def validate(self, request: RolloutRequest) -> None:
         """Raise a ValueError naming the field if ``request`` cannot run on this model."""

@@ -26,7 +26,10 @@ from collections import deque
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+import torch
+
 from flowloop.compute import compute_executor
+
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest
 
@@ -60,6 +63,9 @@ class RolloutServer:
         self._stopped = False
         self._paused = False
         self._stats = _Stats()
+        self.weight_version: int | None = None
+        """The trainer's update count behind the weights now loaded (`update_weights`); every output
+        sampled with them carries it as ``extra_fields["weight_version"]``. None: never updated."""
 
     # -- intake -------------------------------------------------------------------------
     async def generate(self, request: RolloutRequest) -> DiffusionOutput:
@@ -108,6 +114,22 @@ class RolloutServer:
         self._paused = False
         if self._loop is not None:
             self._wakeup.set()
+
+    async def update_weights(self, state: dict | None, version: int) -> None:
+        """Load new trainable weights (all of them, or LoRA adapters only) between batches: the
+        running batch finishes with the old ones, queued requests wait, then sample with the new
+        ones. ``version`` is recorded in every output sampled afterwards. ``state`` None: the
+        engine already holds them (its model is the trainer's own), only the version changes."""
+        self._start()
+        was_paused = self._paused
+        await self.pause()
+        try:
+            if state is not None:
+                await self._loop.run_in_executor(self._executor, self.engine.load_weights, state)
+            self.weight_version = int(version)
+        finally:
+            if not was_paused:
+                self.resume()
 
     async def stop(self) -> None:
         """Finish the running batch, cancel queued requests, end the scheduler (an executor passed
@@ -214,6 +236,8 @@ class RolloutServer:
         s.record_batch(batch, start, time.perf_counter())
         for pending, output in zip(batch, outputs):
             output.metrics["queue_time"] = start - pending.arrival
+            if self.weight_version is not None:
+                output.extra_fields["weight_version"] = torch.tensor(self.weight_version)
             if not pending.future.done():  # aborted while running: the result is dropped
                 pending.future.set_result(output)
 

@@ -1,0 +1,193 @@
+"""`ModelWorker`: one process's share of a run, a trainer rank, a rollout replica, or both.
+
+One class serves every placement (`flowloop.config.scale`); its ``roles`` say what it holds:
+
+- ``{"actor", "rollout"}``: colocated. A trainer rank (FSDP2 when there are several) and a rollout
+  replica on the same device. With one rank the replica samples with the actor's own module;
+  with several, a full copy of the denoiser that `update_weights` refreshes in place after
+  every update (the text encoder and VAE are shared).
+- ``{"actor"}``: a trainer rank of a disaggregated run; `publish_weights` hands the new weights
+  (LoRA: adapters only) to Ray's object store once per update.
+- ``{"rollout"}``: a rollout replica of a disaggregated run; `update_weights` loads what the
+  trainer published.
+
+The rollout side answers `generate`, `abort`, `pause`, `resume`, `stop` and `metrics` like a
+`RolloutServer`, so a `RolloutClient` routes to workers and servers alike. Every method is a
+coroutine: locally the group awaits it, in Ray mode the worker is an async actor and compute
+runs on the process's compute thread, where the rollout's batches run too.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flowloop.compute import compute_executor
+from flowloop.models import load_flow_model
+from flowloop.protocol import Batch
+from flowloop.rollout.engine import RolloutEngine
+from flowloop.rollout.server import RolloutServer
+from flowloop.rollout.types import SamplingParams
+from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
+from flowloop.trainer.lora import add_lora
+from flowloop.trainer.sharding import RankShare, shard_denoiser
+
+ROLES = ("actor", "rollout")
+
+
+class ModelWorker:
+    """A model in one process, trained (``actor``), sampled (``rollout``), or both."""
+
+    def __init__(self, cfg, roles: tuple[str, ...] = ROLES, rank: int = 0, world_size: int = 1,
+                 init_method: str | None = None):
+        """``cfg``: the run's `TrainConfig`. ``init_method``: the trainer's process-group rendezvous
+        (``tcp://host:port``); None runs without torch.distributed (one rank)."""
+        unknown = set(roles) - set(ROLES)
+        if unknown or not roles:
+            raise ValueError(f"roles must be a non-empty subset of {ROLES}, got {roles}")
+        self.cfg = cfg
+        self.roles = tuple(roles)
+        self.share = RankShare(rank, world_size)
+        self.weight_version = 0
+        if init_method is not None:
+            backend = "nccl" if str(cfg.model.device).startswith("cuda") else "gloo"
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        # 1. The model; the trainer's LoRA layout on every copy, so published adapters fit.
+        torch.manual_seed(cfg.trainer.seed)  # LoRA's initial weights: equal on every rank and replica
+        self.model = load_flow_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, **cfg.model.options)
+        if cfg.model.gradient_checkpointing and "actor" in roles:
+            self.model.trainable_module().enable_gradient_checkpointing()
+        if cfg.actor.finetune == "lora":
+            add_lora(self.model.trainable_module(), cfg.actor)
+        # 2. The replica's model: the actor's own when it is not sharded, else a copy of the denoiser.
+        self.actor = None
+        sampler = self.model
+        if "actor" in roles:
+            if "rollout" in roles and self.share.distributed:
+                sampler = copy.copy(self.model)
+                sampler.transformer = copy.deepcopy(self.model.trainable_module())
+            self.actor = self._build_actor()
+        self.server = None
+        if "rollout" in roles:
+            s = cfg.rollout.server
+            self.server = RolloutServer(RolloutEngine(sampler, s.cpu_shards), s.max_batch_size, s.max_wait_ms)
+
+    def _build_actor(self) -> Actor:
+        cfg = self.cfg
+        sampling = SamplingParams.from_dict(cfg.rollout.sampling_dict(validate=False))
+        rows = cfg.data.prompts_per_step * cfg.rollout.n
+        planned = cfg.trainer.total_steps * optimizer_steps_per_batch(cfg.actor, rows)
+        shard = None
+        if self.share.distributed:
+            def shard(module):
+                shard_denoiser(module, cfg.model.dtype)
+        return Actor(self.model, cfg.actor, sampling, total_optimizer_steps=planned, share=self.share, shard=shard)
+
+    # -- description ----------------------------------------------------------------------
+    async def describe(self) -> dict[str, Any]:
+        """What the driver needs without loading a model itself: the tokenizer and prompt length."""
+        return {"tokenizer": self.model.tokenizer, "max_sequence_length": self.model.max_sequence_length,
+                "pid": os.getpid(), "roles": self.roles, "rank": self.share.rank}
+
+    # -- training -------------------------------------------------------------------------
+    async def update(self, batch: Batch, advantages: torch.Tensor, generator_state: torch.Tensor):
+        """One RL update on the whole batch (this rank trains its share of every micro-batch);
+        returns the metrics (the same on every rank) and the generator's state afterwards."""
+        self._need("actor", "update")
+
+        def run():
+            generator = torch.Generator().set_state(generator_state)
+            metrics = self.actor.update(batch, advantages, generator)
+            return metrics, generator.get_state()
+
+        return await _on_compute(run)
+
+    async def trainable_state(self, full: bool = True) -> dict[str, torch.Tensor] | None:
+        """The trained weights (all, or LoRA adapters), gathered from every rank (a collective:
+        call it on every rank); None on ranks other than 0 unless ``full``... see `_gather`."""
+        self._need("actor", "trainable_state")
+        return await _on_compute(self._gather, full)
+
+    def _gather(self, everywhere: bool) -> dict[str, torch.Tensor] | None:
+        if not self.share.distributed:
+            return {k: v.detach().cpu() for k, v in self.actor.trainable_state().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+        state = get_model_state_dict(self.actor.module, options=options)
+        if not everywhere and self.share.rank != 0:
+            return None
+        keep = self.actor.trainable_state().keys()
+        return {k: v for k, v in state.items() if k in keep}
+
+    async def publish_weights(self) -> list | None:
+        """Disaggregated: gather the new weights (collective) and put them into Ray's object store
+        once; rank 0 returns ``[ObjectRef]`` (in a list, so Ray does not resolve it), others None."""
+        import ray
+
+        state = await self.trainable_state(full=False)
+        return None if state is None else [ray.put(state)]
+
+    # -- checkpoints ----------------------------------------------------------------------
+    async def checkpoint_state(self) -> dict[str, Any] | None:
+        """Full (unsharded) model, optimizer and scheduler state, keyed by parameter name, so a
+        checkpoint loads on any world size; on rank 0 (None elsewhere). A collective."""
+        self._need("actor", "checkpoint_state")
+        return await _on_compute(self.actor.full_state, self.share.rank == 0)
+
+    async def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Load `checkpoint_state`'s result (every rank gets the whole of it)."""
+        self._need("actor", "load_checkpoint_state")
+        await _on_compute(self.actor.load_full_state, state)
+
+    # -- rollout --------------------------------------------------------------------------
+    async def update_weights(self, state: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Sample with the weights of update ``version`` from now on. ``state`` None: take them from
+        this worker's own actor (colocated; a collective when sharded)."""
+        self._need("rollout", "update_weights")
+        if state is None and self.actor is not None and self.share.distributed:
+            state = await self.trainable_state(full=True)
+        elif state is None and self.actor is None:
+            raise ValueError("a rollout-only worker needs the published weights, got None")
+        await self.server.update_weights(state, version)
+        self.weight_version = version
+
+    async def generate(self, request):
+        self._need("rollout", "generate")
+        return await self.server.generate(request)
+
+    async def abort(self, request_id: str) -> bool:
+        return self.server.abort(request_id) if self.server is not None else False
+
+    async def pause(self) -> None:
+        if self.server is not None:
+            await self.server.pause()
+
+    async def resume(self) -> None:
+        if self.server is not None:
+            self.server.resume()
+
+    async def metrics(self) -> dict[str, float]:
+        return self.server.metrics() if self.server is not None else {}
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _need(self, role: str, method: str) -> None:
+        if role not in self.roles:
+            raise RuntimeError(f"ModelWorker.{method} needs the {role!r} role; this worker has {self.roles}")
+
+
+async def _on_compute(fn, *args):
+    """Run ``fn`` on the process's compute thread (where rollout batches run too, so the two
+    never overlap on one device) and await it."""
+    import asyncio
+
+    return await asyncio.get_running_loop().run_in_executor(compute_executor(), fn, *args)

@@ -1,0 +1,84 @@
+"""Data-parallel pieces of the trainer: FSDP2 sharding of the denoiser and the reductions that
+make N ranks compute the single-process update.
+
+How N ranks reproduce one process: every rank holds the whole RL batch and walks the same
+mini- and micro-batches in the same order (one shared generator state); each micro-batch's rows
+are split over the ranks (`rank_rows`), each rank scales its loss by its share of the rows
+(`RankShare.loss_scale`), and FSDP2 averages the gradients, so the gradient of every optimizer
+step is the single-process one up to float summation order. Diagnostics are summed over ranks
+with the same weights (`RankShare.all_reduce_sums`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_denoiser(module: torch.nn.Module, compute_dtype: str = "float32") -> None:
+    """``fully_shard`` every block of every top-level ``ModuleList`` (the transformer blocks of
+    each family), then the whole module, in place. The shards stay float32 (master weights,
+    float32 gradient reductions and optimizer state); with a ``compute_dtype`` other than
+    float32, forward and backward run in it (FSDP2's ``MixedPrecisionPolicy``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    module.float()
+    policy = MixedPrecisionPolicy()
+    if compute_dtype != "float32":
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
+    for child in module.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
+
+
+def rank_rows(rows: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous part of a micro-batch's row indices ``[m]`` (sizes differ by at
+    most one; every rank gets a row when ``m >= world_size``)."""
+    return rows.tensor_split(world_size)[rank]
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """This process's place among the trainer ranks; ``world_size == 1`` is the plain actor."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rank_rows(rows, self.rank, self.world_size) if self.distributed else rows
+
+    def loss_scale(self, mine: int, total: int) -> float:
+        """Factor on this rank's mean loss so that FSDP2's gradient average over ranks equals the
+        gradient of the mean over all ``total`` rows: ``world_size * mine / total``."""
+        return self.world_size * mine / total if self.distributed else 1.0
+
+    def all_reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum each value over the ranks (keys must be the same on every rank)."""
+        if not self.distributed:
+            return values
+        keys = sorted(values)
+        packed = torch.tensor([values[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(packed)
+        return dict(zip(keys, packed.tolist()))
+
+    def all_reduce_max(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        packed = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        return float(packed)
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a grad norm FSDP2 returns sharded), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
