@@ -51,12 +51,16 @@ class AgentLoopManager:
         self._loop = asyncio.new_event_loop()  # local objects live in this loop across calls
 
     @classmethod
-    def create(cls, config: RolloutConfig, model, mode: str = "local", num_replicas: int = 1) -> AgentLoopManager:
+    def create(cls, config: RolloutConfig, model, mode: str = "local", num_replicas: int = 1,
+               replicas: list | None = None) -> AgentLoopManager:
         """Build rollout replicas, reward workers and agent-loop workers from ``config``.
 
-        ``model`` is a `FlowModel`; in Ray mode it is pickled into each replica's actor (Ray
-        starts a local cluster if none is running). ``prompt_length`` and
-        ``max_sequence_length`` left null in ``config`` become the model's ``max_sequence_length``.
+        ``model`` is a `FlowModel` (or anything with its ``tokenizer`` and ``max_sequence_length``
+        when ``replicas`` are given); in Ray mode it is pickled into each replica's actor (Ray
+        starts a local cluster if none is running). ``replicas``: rollout replicas someone else
+        made and owns (a trainer's `ModelWorker`s), used instead of building ``num_replicas``
+        servers. ``prompt_length`` and ``max_sequence_length`` left null in ``config`` become the
+        model's ``max_sequence_length``.
         """
         check_mode(mode)
         if num_replicas < 1:
@@ -69,7 +73,10 @@ class AgentLoopManager:
         )
         # 1. Rollout replicas; 2. reward workers; 3. agent-loop workers, reaching both through handles.
         s = config.server
-        servers = [make_actor(RolloutServer, mode, RolloutEngine(model, s.cpu_shards), s.max_batch_size, s.max_wait_ms) for _ in range(num_replicas)]
+        own_servers = replicas is None
+        servers = list(replicas) if replicas is not None else [
+            make_actor(RolloutServer, mode, RolloutEngine(model, s.cpu_shards), s.max_batch_size, s.max_wait_ms)
+            for _ in range(num_replicas)]
         rewards = []
         if config.reward.name is not None:
             r = config.reward
@@ -79,7 +86,7 @@ class AgentLoopManager:
             make_actor(AgentLoopWorker, mode, config, model.tokenizer, servers, rewards)
             for _ in range(config.agent.num_workers)
         ]
-        manager = cls(workers, config.reward.failure_policy, owned=[*servers, *rewards])
+        manager = cls(workers, config.reward.failure_policy, owned=[*(servers if own_servers else []), *rewards])
         manager._loop.run_until_complete(wait_ready([*servers, *rewards, *workers]))
         return manager
 
@@ -113,6 +120,16 @@ class AgentLoopManager:
         output.meta_info["reward_dropped_rows"] = rows_before - len(output)
         output.meta_info["timing"] = _timing(output.meta_info["metrics"], [t for _, t in results], time.perf_counter() - start)
         return output
+
+    def update_weights(self, replicas: list, state, version: int) -> None:
+        """Have ``replicas`` (servers or `ModelWorker`s this manager routes to) sample with the
+        weights of update ``version`` from now on (``state``: the weights, or None when each
+        holds them already); on this manager's loop, where local replicas serve."""
+
+        async def every():
+            await asyncio.gather(*(call(r, "update_weights", state, version) for r in replicas))
+
+        self._loop.run_until_complete(every())
 
     # -- lifecycle ----------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,0 +1,151 @@
+"""`WorkerGroup`: where a run's `ModelWorker`s live, and the few calls the recipe makes on them.
+
+    group = WorkerGroup.create(cfg)             # local: one worker object; ray: actors, placed
+    metrics = group.update(batch, adv, gen)     # every trainer rank, the same batch and generator state
+    group.sync_weights(manager, version)        # replicas sample update `version`'s weights next
+    state = group.checkpoint_state(); group.load_checkpoint_state(state)
+    group.shutdown()
+
+Ray mode puts the trainer ranks in one placement group (one bundle per rank: a GPU, or a CPU),
+so a multi-node cluster packs ranks node by node; disaggregated replicas get their own bundles.
+The ranks meet through torch.distributed at rank 0's address (gloo on CPUs, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import torch
+
+from flowloop.agent_loop.actors import call, wait_ready
+from flowloop.extras import require
+from flowloop.trainer.model_worker import ROLES, ModelWorker
+
+
+class WorkerGroup:
+    """The trainer ranks (``actors``) and the rollout replicas (``replicas``; the same handles
+    when colocated)."""
+
+    def __init__(self, actors: list, replicas: list, colocated: bool = True, placement_group=None):
+        self.actors = list(actors)
+        self.replicas = list(replicas)
+        self.colocated = colocated
+        self._placement_group = placement_group
+        self._loop = asyncio.new_event_loop()
+
+    @classmethod
+    def create(cls, cfg) -> WorkerGroup:
+        scale = cfg.scale
+        if scale.mode == "local":
+            worker = ModelWorker(cfg, ROLES)
+            return cls([worker], [worker])
+        ray = require("ray", "scale.mode=ray")
+        if not ray.is_initialized():
+            ray.init(address=scale.ray_address, ignore_reinit_error=True, log_to_driver=True)
+        gpus = 1 if scale.gpus_per_node else 0
+        colocated = scale.placement == "colocated"
+        bundles = [{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1} for _ in range(scale.ranks)]
+        if not colocated:
+            bundles += [{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1} for _ in range(scale.replicas)]
+        group = ray.util.placement_group(bundles, strategy="PACK")
+        ray.get(group.ready())
+        roles = ROLES if colocated else ("actor",)
+        address = _rendezvous(ray, group, gpus)
+        actors = [_remote(ray, group, i, gpus, cfg, roles, i, scale.ranks, address) for i in range(scale.ranks)]
+        replicas = actors if colocated else [
+            _remote(ray, group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None) for j in range(scale.replicas)]
+        made = cls(actors, replicas, colocated, group)
+        made._run(wait_ready(list(dict.fromkeys([*actors, *replicas]))))
+        return made
+
+    # -- calls ----------------------------------------------------------------------------
+    def _run(self, coroutine):
+        return self._loop.run_until_complete(coroutine)
+
+    def _all(self, handles: list, method: str, *args) -> list:
+        async def every():
+            return await asyncio.gather(*(call(h, method, *args) for h in handles))
+
+        return self._run(every())
+
+    def describe(self) -> dict:
+        """Tokenizer and prompt length, from the first replica (the driver loads no model)."""
+        return self._all(self.replicas[:1], "describe")[0]
+
+    def update(self, batch, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """One RL update on every rank; ``generator`` moves on exactly as one process's would."""
+        batch, advantages = self._shared(batch), self._shared(advantages)
+        results = self._all(self.actors, "update", batch, advantages, generator.get_state())
+        metrics, state = results[0]
+        generator.set_state(state)
+        return metrics
+
+    def sync_weights(self, manager, version: int) -> None:
+        """After an update: every replica samples with its weights from now on. Colocated, each
+        worker copies them in place; disaggregated, rank 0 publishes them once and each replica
+        loads them from the object store. Runs on the manager's loop, where the replicas serve."""
+        state = None
+        if not self.colocated:
+            published = self._all(self.actors, "publish_weights")
+            state = published[0][0]
+        manager.update_weights(self.replicas, state, version)
+
+    def checkpoint_state(self) -> dict:
+        return self._all(self.actors, "checkpoint_state")[0]
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self._all(self.actors, "load_checkpoint_state", self._shared(state))
+
+    def _shared(self, value):
+        """In Ray mode, one copy in the object store for every rank (Ray resolves it per call)."""
+        if self.local_worker is not None:
+            return value
+        import ray
+
+        return ray.put(value)
+
+    @property
+    def local_worker(self) -> ModelWorker | None:
+        """The worker object in local mode (None in Ray mode)."""
+        return self.actors[0] if isinstance(self.actors[0], ModelWorker) else None
+
+    def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        handles = list(dict.fromkeys([*self.actors, *self.replicas]))
+        self._run(asyncio.gather(*(call(h, "stop") for h in handles), return_exceptions=True))
+        if self.local_worker is None:
+            import ray
+
+            for handle in handles:
+                ray.kill(handle)
+            if self._placement_group is not None:
+                ray.util.remove_placement_group(self._placement_group)
+        self._loop.close()
+
+
+def _remote(ray, group, bundle: int, gpus: int, *args):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    threads = str(torch.get_num_threads())
+    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+    return ray.remote(ModelWorker).options(
+        num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, max_concurrency=64,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
+    ).remote(*args)
+
+
+def _rendezvous(ray, group, gpus: int) -> str:
+    """``tcp://ip:port`` on the node of rank 0's bundle, with a port free there."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=0)
+    def free_address():
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"tcp://{ray.util.get_node_ip_address()}:{s.getsockname()[1]}"
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
+    return ray.get(free_address.options(scheduling_strategy=strategy).remote())
+
