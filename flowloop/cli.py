@@ -1,4 +1,4 @@
-"""`flowloop` command line: train, eval, generate, plot, pretrain, serve-reward.
+"""`flowloop` command line: train, eval, generate, export, plot, pretrain, serve-reward.
 
 Each command prints what it does, shows a progress bar on long work, and turns bad input
 into a one-line error (exit code 2) that names the field and the fix.
@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 from flowloop.allocator import keep_freed_memory
+from flowloop.config import DEFAULT_RECIPE as DEFAULT_RECIPE_NAME
+from flowloop.config import recipe_names, recipe_path
 
 DEFAULT_SEED = 0
-DEFAULT_RECIPE = Path(__file__).resolve().parent / "config" / "recipes" / "shapes.yaml"
+DEFAULT_RECIPE = recipe_path(DEFAULT_RECIPE_NAME)
 
 
 def _progress(total: int, desc: str):
@@ -33,14 +35,26 @@ def cmd_pretrain(args) -> None:
     print(f"model saved to {out / 'model'} (checkpoints in {out / 'checkpoints'})")
 
 
+def train_config(args):
+    """The run's config: the recipe (``--recipe``; the default one unless only ``--config`` is
+    given), then the user's ``--config`` file, then ``key=value`` overrides."""
+    from flowloop.config import load_config
+    from flowloop.config.train import TrainConfig
+
+    files = [recipe_path(args.recipe or DEFAULT_RECIPE_NAME)] if args.recipe or not args.config else []
+    return load_config(TrainConfig, args.overrides, files + ([args.config] if args.config else []))
+
+
 def cmd_train(args) -> None:
     from tqdm import tqdm
 
-    from flowloop.config import load_config
-    from flowloop.config.train import TrainConfig
+    from flowloop.config import to_yaml
     from flowloop.trainer.recipe import run
 
-    cfg = load_config(TrainConfig, args.overrides, [args.config or DEFAULT_RECIPE])
+    cfg = train_config(args)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return
     summary = run(cfg, log=tqdm.write)  # keeps the live progress line intact
     before, after = summary["before"], summary["after"]
     if summary["val_metric"] == "val/accuracy":
@@ -51,6 +65,14 @@ def cmd_train(args) -> None:
     print(f"metrics: {summary['run_dir']}/metrics.jsonl; curve: flowloop plot {summary['run_dir']}")
     if summary["val_metric"] == "val/accuracy":
         print(f"precise before/after: flowloop eval, then flowloop eval --checkpoint {summary['run_dir']}/checkpoints/step_{summary['steps']:06d}")
+
+
+def cmd_export(args) -> None:
+    from flowloop.trainer.export import export
+
+    written = export(args.source, args.out, model_path=args.model)
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
 
 
 def cmd_plot(args) -> None:
@@ -129,10 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="e.g. steps=20000 batch_size=256 out=runs/pretrain")
     p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("train", help="RL on the embedded shapes model: DiffusionNFT by default, FlowGRPO with --config flowloop/config/recipes/shapes_flow_grpo.yaml (key=value overrides, e.g. rollout.n=8)")
+    p = sub.add_parser("train", help="RL fine-tuning from a recipe: DiffusionNFT on the embedded shapes model by default, "
+                                     "FlowGRPO with --recipe shapes_flow_grpo (key=value overrides, e.g. rollout.n=8)")
     p.add_argument("overrides", nargs="*", help="e.g. rollout.n=8 actor.lr=2e-5 trainer.total_steps=100")
-    p.add_argument("--config", default=None, help="YAML recipe merged before the overrides (default: flowloop/config/recipes/shapes.yaml)")
+    p.add_argument("--recipe", default=None, metavar="NAME",
+                   help=f"shipped recipe to start from: {', '.join(recipe_names())} (default: {DEFAULT_RECIPE_NAME}, "
+                        "unless only --config is given)")
+    p.add_argument("--config", default=None, metavar="PATH", help="your own YAML, merged after --recipe and before the overrides")
+    p.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit without training")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="write a checkpoint as a peft adapter + diffusers LoRA file, or a full diffusers folder")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder (its newest valid checkpoint) or a checkpoint folder")
+    p.add_argument("--out", required=True, help="new folder for the exported files")
+    p.add_argument("--model", default=None, help="the base model folder, when it has moved since training (full fine-tune)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plot", help="PNG learning curve (reward, held-out accuracy) from a run's metrics.jsonl")
     p.add_argument("run_dir")

@@ -16,6 +16,25 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 T = TypeVar("T")
 
+RECIPES = Path(__file__).resolve().parent / "recipes"
+"""The shipped recipes: one YAML per ready-to-run setup, the defaults users start from."""
+
+DEFAULT_RECIPE = "shapes"
+"""The recipe ``flowloop train`` runs with no ``--recipe``/``--config``: DiffusionNFT on the shapes world."""
+
+
+def recipe_names() -> list[str]:
+    """Names of the shipped recipes (``shapes``, ``sd3``, ``flux``...)."""
+    return sorted(path.stem for path in RECIPES.glob("*.yaml"))
+
+
+def recipe_path(name: str) -> Path:
+    """The YAML file of recipe ``name``; an unknown name is a ValueError listing the known ones."""
+    path = RECIPES / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(recipe_names())}")
+    return path
+
 
 def _field_names(schema) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]

@@ -10,6 +10,7 @@ import torch
 
 from flowloop.models.base import FlowModel
 from flowloop.models.loading import read_model_index
+from flowloop.models.trained import TrainedWeights, load_trained_weights
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-shapes"
 """The shipped base model of the shapes world (fp16 safetensors, a few MB)."""
@@ -51,30 +52,12 @@ def load_flow_model(
     return adapter.from_pretrained(path, dtype=dtype, device=device, **options)
 
 
-def load_trained_weights(model: FlowModel, checkpoint: str | Path) -> FlowModel:
-    """Put a `flowloop train` checkpoint's denoiser weights (full or LoRA) into ``model``.
-
-    ``checkpoint`` is a ``runs/<name>/checkpoints/step_N`` folder; LoRA checkpoints hold only the
-    adapters, which are added first with the run's own settings (its ``config.yaml``).
-    """
-    from safetensors.torch import load_file
-
-    weights_file = Path(checkpoint) / "model.safetensors"
-    if not weights_file.is_file():
-        raise FileNotFoundError(f"{weights_file} is missing: pass a checkpoint folder runs/<name>/checkpoints/step_N")
-    weights = load_file(str(weights_file))
-    module = model.trainable_module()
-    if any("lora_" in key for key in weights):
-        from omegaconf import OmegaConf
-
-        from flowloop.trainer.lora import add_lora
-
-        config = OmegaConf.load(Path(checkpoint).parent.parent / "config.yaml")
-        add_lora(module, config.actor)
-    missing, unexpected = module.load_state_dict(weights, strict=False)
-    if unexpected or (missing and not any("lora_" in key for key in weights)):
-        raise ValueError(f"{weights_file} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model
+def family(path: str | Path | None) -> str:
+    """The adapter family of a model folder (``tiny``, ``sd3``, ``flux``, ``qwen_image``, ``wan``)."""
+    pipeline = read_model_index(Path(path) if path else EMBEDDED_MODEL).get("_class_name")
+    if pipeline not in ADAPTERS:
+        raise ValueError(f"{path}/model_index.json names pipeline {pipeline!r}; supported: {sorted(ADAPTERS)}")
+    return ADAPTERS[pipeline].split(":")[0].rsplit(".", 1)[-1]
 
 
-__all__ = ["ADAPTERS", "EMBEDDED_MODEL", "FlowModel", "load_flow_model", "load_trained_weights"]
+__all__ = ["ADAPTERS", "EMBEDDED_MODEL", "FlowModel", "TrainedWeights", "family", "load_flow_model", "load_trained_weights"]

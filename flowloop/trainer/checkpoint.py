@@ -6,6 +6,8 @@ A run folder (`new_run_dir`) holds ``checkpoints/step_{N:06d}/``, each with
     optimizer.pt        optimizer.state_dict()                       (when given)
     schedulers.pt       [scheduler.state_dict(), ...]                (when given)
     state.pt            step, RNG states, data position, extra       (plain types and tensors)
+    flowloop.json       what the weights are: base model, family, dtype, LoRA settings
+                        (`flowloop.models.TrainedWeights`; when given), so the folder loads alone
     manifest.json       format, step, and every file's size and sha256, written last
 
 A checkpoint is written into a temporary folder beside its final place, every file fsynced, then
@@ -17,7 +19,6 @@ warning) any folder that does not match. ``.pt`` files are loaded with ``weights
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,10 +35,16 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from flowloop.models.trained import DESCRIPTION, TrainedWeights
+from flowloop.trainer.checkpoint_files import (
+    check_plain, fsync, fsync_dir, safetensors_ready, sha256, state_dict, torch_save, write_synced,
+)
+
 __all__ = [
     "LoadedCheckpoint",
     "capture_rng_state",
     "checkpoint_problem",
+    "describe_weights",
     "latest_valid_checkpoint",
     "load_checkpoint",
     "new_run_dir",
@@ -129,12 +136,14 @@ def save_checkpoint(
     data_state: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
+    description: TrainedWeights | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step_{step:06d}/`` atomically and return its path.
 
     ``optimizer``/``schedulers``: objects with ``state_dict()`` (or state dicts). ``rng_state``:
     `capture_rng_state()`. ``data_state``: where the data loader is (plain types). ``extra``:
     anything else to restore (plain types and tensors: advantage tracker, non-finite guard...).
+    ``description``: what ``model_state`` is (`describe_weights`), for loading and export.
     ``keep_last``: afterwards delete all but the newest ``keep_last`` step folders (None: keep all).
     An existing folder for the same step is replaced.
     """
@@ -148,21 +157,23 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{final.name}.", suffix=".tmp"))
     try:
         # 1. Every file into the temporary folder, each fsynced.
-        save_file(_safetensors_ready(model_state), tmp / "model.safetensors", metadata={"step": str(step)})
+        save_file(safetensors_ready(model_state), tmp / "model.safetensors", metadata={"step": str(step)})
         if optimizer is not None:
-            _torch_save(_state_dict(optimizer), tmp / "optimizer.pt")
+            torch_save(state_dict(optimizer), tmp / "optimizer.pt")
         if schedulers is not None:
-            _torch_save([_state_dict(s) for s in schedulers], tmp / "schedulers.pt")
-        _check_plain(dict(data_state or {}), "data_state")
-        _check_plain(dict(extra or {}), "extra")
+            torch_save([state_dict(s) for s in schedulers], tmp / "schedulers.pt")
+        check_plain(dict(data_state or {}), "data_state")
+        check_plain(dict(extra or {}), "extra")
         state = {"step": step, "rng_state": rng_state, "data_state": dict(data_state or {}), "extra": dict(extra or {})}
-        _torch_save(state, tmp / "state.pt")
-        _fsync(tmp / "model.safetensors")
+        torch_save(state, tmp / "state.pt")
+        if description is not None:
+            write_synced(tmp / DESCRIPTION, json.dumps(description.as_dict(), indent=1))
+        fsync(tmp / "model.safetensors")
 
         # 2. The manifest last: a folder without a matching one is never taken as valid.
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
-        _write_synced(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
-        _fsync_dir(tmp)
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.iterdir())}
+        write_synced(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+        fsync_dir(tmp)
 
         # 3. Rename into place (an old folder for this step is moved aside first, then removed).
         old = None
@@ -170,7 +181,7 @@ def save_checkpoint(
             old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{final.name}.", suffix=".old"))
             os.replace(final, old / final.name)
         os.replace(tmp, final)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -179,6 +190,19 @@ def save_checkpoint(
     if keep_last is not None:
         _prune(parent, keep_last, keep=final)
     return final
+
+
+def describe_weights(model_config, actor_config) -> TrainedWeights:
+    """The `TrainedWeights` of a run from its ``model`` and ``actor`` config sections."""
+    from flowloop.models import family
+
+    path = str(Path(model_config.path).resolve()) if model_config.path else None
+    lora = {}
+    if actor_config.finetune == "lora":
+        lora = {"rank": actor_config.lora_rank, "alpha": actor_config.lora_alpha,
+                "target_modules": list(actor_config.lora_target_modules)}
+    return TrainedWeights(model_path=path, family=family(path), dtype=str(model_config.dtype).removeprefix("torch."),
+                          finetune=actor_config.finetune, lora=lora)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +234,7 @@ def checkpoint_problem(path: str | os.PathLike, verify_hashes: bool = True) -> s
             return f"{name} is missing"
         if file.stat().st_size != info.get("bytes"):
             return f"{name} has {file.stat().st_size} bytes, the manifest says {info.get('bytes')}"
-        if verify_hashes and _sha256(file) != info.get("sha256"):
+        if verify_hashes and sha256(file) != info.get("sha256"):
             return f"{name} does not match its sha256 in the manifest"
     return None
 
@@ -364,77 +388,3 @@ def _prune(parent: Path, keep_last: int, keep: Path) -> None:
     for _, path in sorted(_step_dirs(parent), reverse=True)[keep_last:]:
         if path != keep:
             shutil.rmtree(path, ignore_errors=True)
-
-
-_PLAIN = (type(None), bool, int, float, str, torch.Tensor)
-
-
-def _check_plain(value: Any, where: str) -> None:
-    """Only what ``torch.load(weights_only=True)`` reads back: a ValueError names the first other value."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise ValueError(f"{where} has a key of type {type(key).__name__}; use str or int keys")
-            _check_plain(item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_plain(item, f"{where}[{i}]")
-    elif not isinstance(value, _PLAIN):
-        raise ValueError(
-            f"{where} is a {type(value).__name__}; checkpoints hold only None, bool, int, float, str, "
-            "tensors, and lists/tuples/dicts of them (convert it, e.g. with .tolist() or a state_dict())"
-        )
-
-
-def _state_dict(obj: Any) -> dict:
-    return obj if isinstance(obj, Mapping) else obj.state_dict()
-
-
-def _safetensors_ready(model_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, detached; tensors sharing storage (tied weights) are cloned apart."""
-    out, seen = {}, set()
-    for key, value in model_state.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"model_state[{key!r}] must be a tensor, got {type(value).__name__}")
-        tensor = value.detach().to("cpu").contiguous()
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr in seen:
-            tensor = tensor.clone()
-        seen.add(tensor.untyped_storage().data_ptr())
-        out[key] = tensor
-    return out
-
-
-def _torch_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -1,10 +1,12 @@
-"""The FlowGRPO recipe, top to bottom: `setup`, `train`, `cleanup`.
+"""The RL recipe, top to bottom: `setup`, `train`, `cleanup`.
 
-One RL step: sample train prompts, repeat each ``rollout.n`` times under one ``uid``, generate
+It runs any objective (`actor.objective`) on any task (`data.task`), knowing neither by name.
+One RL step: the task's train rows, repeat each ``rollout.n`` times under one ``uid``, generate
 and score them through the `AgentLoopManager` (streaming rewards), compute group-relative
 advantages, and update the actor on the stored trajectories. The rollout engine samples with the
 actor's own weights (colocated: nothing to copy, nothing stale). Validation runs before
-training, every ``trainer.val_every`` steps and at the end; checkpoints every
+training, every ``trainer.val_every`` steps and at the end (the task's validation rows, scored
+by the task); checkpoints every
 ``trainer.save_every`` steps, at the end, and on Ctrl-C.
 """
 
@@ -27,27 +29,22 @@ from flowloop.models import load_flow_model
 from flowloop.protocol import Batch
 from flowloop.reward.worker import ERROR_KEY
 from flowloop.rollout.types import SamplingParams
-from flowloop.tasks import shapes
+from flowloop.tasks import Task, build_task
 from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
-from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages, group_stats, groups_with_most_spread
-from flowloop.trainer.category_focus import CategoryFocus
+from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
 from flowloop.trainer.checkpoint import (
-    capture_rng_state, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
+    capture_rng_state, describe_weights, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
 )
-from flowloop.trainer.evaluate import score_images, to_uint8_images
+from flowloop.trainer.evaluate import to_uint8_images, with_rewards
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
-from flowloop.trainer.metrics_log import CATEGORY_PREFIX, MetricsLogger, ProgressLine, accuracy_key, category_names
-from flowloop.trainer.prompt_data import load_prompt_file
+from flowloop.trainer.metrics_log import CATEGORY_PREFIX, MetricsLogger, ProgressLine
 from flowloop.visual import save_grid
 
 logger = logging.getLogger(__name__)
 
-GRID_ROWS_PER_CATEGORY = 8
-GRID_COLUMNS = 4
 
-
-class FlowGRPORecipe:
-    """``recipe = FlowGRPORecipe(cfg); recipe.setup(); summary = recipe.train(); recipe.cleanup()``."""
+class RLRecipe:
+    """``recipe = RLRecipe(cfg); recipe.setup(); summary = recipe.train(); recipe.cleanup()``."""
 
     def __init__(self, cfg: TrainConfig, log=print):
         cfg.validate()
@@ -55,29 +52,10 @@ class FlowGRPORecipe:
         self.log = log
         self.start_step = 0
         self.history: list[dict] = []
-        self.val_metric = "val/reward" if cfg.data.prompt_file is not None else "val/accuracy"
+        self.task: Task = build_task(cfg)
+        """Train rows, validation rows and their scoring (`flowloop.tasks`)."""
+        self.val_metric = self.task.val_metric
         """The validation figure the progress line and the summary report."""
-        # Training prompts: a prompt file's rows, or the shapes world's split, whole and by category.
-        if cfg.data.prompt_file is not None:
-            self.train_rows = load_prompt_file(cfg.data.prompt_file)
-            val_file = cfg.data.val_prompt_file
-            self.val_rows = (load_prompt_file(val_file, "data.val_prompt_file") if val_file
-                             else self.train_rows[:cfg.trainer.val_samples_per_category])
-        else:
-            self.train_rows = [{"raw_prompt": p, "category": shapes.category_of(shapes.parse_prompt(p))}
-                               for p in shapes.split_prompts(cfg.data.train_split)]
-            self.train_rows_by_category = [[row for row in self.train_rows if row["category"] == c] for c in shapes.CATEGORIES]
-            weights = cfg.data.category_weights
-            self.category_probs = None
-            """Draw probabilities of ``shapes.CATEGORIES`` under ``data.category_weights``; None: uniform."""
-            if weights is not None:
-                self.category_probs = np.array([float(weights.get(c, 1.0)) for c in shapes.CATEGORIES])
-                self.category_probs /= self.category_probs.sum()
-        self.focus = None
-        """`CategoryFocus` under ``data.category_focus > 0``: the draw probabilities then change every step."""
-        if cfg.data.category_focus > 0:
-            base = self.category_probs if self.category_probs is not None else np.ones(len(shapes.CATEGORIES))
-            self.focus = CategoryFocus(list(shapes.CATEGORIES), base, cfg.data.category_focus)
 
     # -- setup --------------------------------------------------------------------------
     def setup(self) -> None:
@@ -158,28 +136,23 @@ class FlowGRPORecipe:
         sampled = self.manager.generate_sequences(batch)
         generated = time.perf_counter()
         sampled_rewards = sampled["rm_scores"][:, 0]  # [B]
-        # 3. With extra prompts, only the prompts_per_step groups whose rewards spread most go on.
-        out, rewards, metrics = self.select_groups(sampled, sampled_rewards)
-        # 4. Advantages over each uid's group.
+        # 3. Advantages over each uid's group.
+        out, rewards, metrics = sampled, sampled_rewards, {}
         options = {}
         if self.tracker is not None:
             options = {"tracker": self.tracker, "prompts": list(out["raw_prompt"])}
         result = compute_advantages(self.cfg.advantage.estimator, rewards, out["uid"],
                                     drop_zero_std_groups=self.cfg.advantage.drop_zero_std_groups, **options)
         keep = result.keep.nonzero().flatten()
-        # 5. Update the actor on the kept rows.
+        # 4. Update the actor on the kept rows.
         if len(keep):
             metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
             if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()
-        by_category = category_reward_means(sampled, sampled_rewards)  # what the policy does, before any selection
-        if self.focus is not None:
-            metrics.update({f"data/category_prob/{c}": float(p) for c, p in zip(self.focus.categories, self.focus.probs())})
-            self.focus.observe(category_accuracy(by_category))
         metrics.update({
             **reward_extra_means(sampled),
-            **by_category,
+            **category_reward_means(sampled, sampled_rewards),
             "reward/mean": float(sampled_rewards.mean()), "reward/std": float(sampled_rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
             "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
@@ -188,31 +161,10 @@ class FlowGRPORecipe:
         })
         return metrics
 
-    def select_groups(self, sampled: Batch, rewards: torch.Tensor) -> tuple[Batch, torch.Tensor, dict[str, float]]:
-        """With ``data.extra_prompts_per_step``: the rows and rewards of the ``prompts_per_step``
-        groups whose rewards spread most, and the share of all-equal groups among those sampled
-        (what the selection avoided). Without: everything, no metric."""
-        if not self.cfg.data.extra_prompts_per_step:
-            return sampled, rewards, {}
-        groups = group_stats(rewards, sampled["uid"])
-        rows = groups_with_most_spread(groups, self.cfg.data.prompts_per_step)
-        return sampled[rows], rewards[rows], {"data/sampled_zero_std_group_frac": groups.zero_std.double().mean().item()}
-
     def make_batch(self, step: int) -> Batch:
-        """``prompts_per_step`` (+ ``extra_prompts_per_step``) train prompts (drawn from seed and step
-        alone, so resume is exact) x n."""
-        rng = np.random.default_rng([self.cfg.trainer.seed, step])
-        count = self.cfg.data.prompts_per_step + self.cfg.data.extra_prompts_per_step
-        if self.cfg.data.prompt_sampling == "category_balanced":
-            pools = self.train_rows_by_category
-            probs = self.focus.probs() if self.focus is not None else self.category_probs
-            chosen = []
-            for _ in range(count):  # category, then prompt, interleaved: the draw order resume relies on
-                pool = pools[rng.integers(len(pools)) if probs is None else rng.choice(len(pools), p=probs)]
-                chosen.append(pool[rng.integers(len(pool))])
-        else:
-            rows = self.train_rows
-            chosen = [rows[i] for i in rng.choice(len(rows), count, replace=count > len(rows))]
+        """The task's ``prompts_per_step`` train rows of this step (from seed and step alone, so
+        resume is exact), each repeated ``rollout.n`` times under one uid."""
+        chosen = self.task.train_rows(self.cfg.trainer.seed, step, self.cfg.data.prompts_per_step)
         n = self.cfg.rollout.n
         uids = [f"{step}-{g}" for g in range(len(chosen)) for _ in range(n)]
         return self._prompt_batch([row for row in chosen for _ in range(n)], uids, {"global_steps": step})
@@ -229,50 +181,20 @@ class FlowGRPORecipe:
 
     # -- validation ---------------------------------------------------------------------
     def validate(self, step: int) -> dict[str, float]:
-        """Held-out prompts with ``val_kwargs`` (ODE, fixed seeds): shapes-world accuracy, or, with a
-        prompt file, the mean training reward (``val/reward``)."""
-        if self.cfg.data.prompt_file is not None:
-            return self._validate_with_reward(step)
-        k = self.cfg.trainer.val_samples_per_category
-        prompts, categories = [], []
-        for category in shapes.CATEGORIES:
-            pool = shapes.split_prompts(self.cfg.data.val_split, category)
-            prompts += [pool[(i // GRID_COLUMNS) % len(pool)] for i in range(k)]  # blocks of GRID_COLUMNS seeds
-            categories += [category] * k
+        """The task's validation rows with ``val_kwargs`` (ODE, fixed seeds) under the EMA weights
+        when there are any, scored by the task; the grid goes to ``grids/step_<step>.png``."""
+        rows = self.task.val_rows()
         start = time.perf_counter()
-        out = self._generate_for_validation([{"raw_prompt": p} for p in prompts], [f"val-{p}" for p in prompts])
-        # The task's own verifier measures accuracy, whatever reward the run trains on.
-        images = to_uint8_images(out["responses"])
-        result, _ = score_images(images, prompts, categories)
-        # The grid: the first GRID_ROWS_PER_CATEGORY rows of each category, same rows every time.
-        picked = [c * k + i for c in range(len(shapes.CATEGORIES)) for i in range(min(k, GRID_ROWS_PER_CATEGORY))]
-        grid = save_grid(images[picked], [prompts[i] for i in picked], self.run_dir / "grids" / f"step_{step:06d}.png",
-                         per_prompt=GRID_COLUMNS)
-        metrics = {"val/accuracy": result.accuracy, "val/score": result.score, "time/validate": time.perf_counter() - start}
-        metrics.update({f"val/{name}/accuracy": row["accuracy"] for name, row in result.per_category.items()})
-        self.log(f"step {step}: held-out accuracy {result.accuracy:.1%} (score {result.score:.3f}); grid {grid}")
-        return metrics
-
-    def _generate_for_validation(self, rows: list[dict], uids: list[str]) -> Batch:
-        """Sample validation rows with ``val_kwargs``, under the EMA weights when there are any."""
-        batch = self._prompt_batch(rows, uids, {"validate": True})
+        batch = self._prompt_batch(rows, [f"val-{i}" for i in range(len(rows))], {"validate": True})
         with self.actor.ema_weights():
-            return self.manager.generate_sequences(batch)
-
-    def _validate_with_reward(self, step: int) -> dict[str, float]:
-        rows = self.val_rows
-        start = time.perf_counter()
-        out = self._generate_for_validation(rows, [f"val-{i}" for i in range(len(rows))])
-        scores = out["rm_scores"][:, 0]  # [V]
-        responses = out["responses"]  # [V, C, H, W] or video [V, T, C, H, W]: the grid shows first frames
+            out = self.manager.generate_sequences(batch)
+        responses = out["responses"]  # [V, C, H, W] or video [V, T, C, H, W]: the task sees first frames
         images = to_uint8_images(responses[:, 0] if responses.ndim == 5 else responses)
-        picked = list(range(min(len(rows), GRID_ROWS_PER_CATEGORY * GRID_COLUMNS)))
-        grid = save_grid(images[picked], [rows[i]["raw_prompt"] for i in picked],
-                         self.run_dir / "grids" / f"step_{step:06d}.png", per_prompt=1)
-        reward = float(torch.nanmean(scores))
-        self.log(f"step {step}: validation reward {reward:.4f} over {len(rows)} prompts; grid {grid}")
-        return {"val/reward": reward, **{f"val/{k}": v for k, v in reward_extra_means(out).items()},
-                "time/validate": time.perf_counter() - start}
+        metrics, grid = self.task.evaluate(images, with_rewards(rows, out))
+        path = save_grid(grid.images, grid.captions, self.run_dir / "grids" / f"step_{step:06d}.png", per_prompt=grid.per_row)
+        metrics["time/validate"] = time.perf_counter() - start
+        self.log(f"step {step}: {self.val_metric} {metrics[self.val_metric]:.4f} over {len(rows)} samples; grid {path}")
+        return metrics
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, step: int) -> Path:
@@ -281,12 +203,11 @@ class FlowGRPORecipe:
             extra["tracker"] = self.tracker.state_dict()
         if self.actor.ema is not None:
             extra["ema"] = self.actor.ema
-        if self.focus is not None:
-            extra["category_focus"] = self.focus.state_dict()
         state = capture_rng_state()
         state["trainer_generator"] = self.generator.get_state()
         return save_checkpoint(self.run_dir, step, self.actor.trainable_state(), self.actor.optimizer, [self.actor.scheduler],
-                               state, {"step": step}, extra, keep_last=self.cfg.trainer.keep_last)
+                               state, {"step": step}, extra, keep_last=self.cfg.trainer.keep_last,
+                               description=describe_weights(self.cfg.model, self.cfg.actor))
 
     def _restore(self, checkpoint: Path) -> None:
         loaded = load_checkpoint(checkpoint, self.actor.optimizer, [self.actor.scheduler])
@@ -297,8 +218,6 @@ class FlowGRPORecipe:
         self.guard.load_state_dict(loaded.extra["guard"])
         if self.tracker is not None:
             self.tracker.load_state_dict(loaded.extra["tracker"])
-        if self.focus is not None:
-            self.focus.load_state_dict(loaded.extra["category_focus"])
         if self.actor.ema is not None:
             self.actor.ema = {k: v.to(next(self.actor.module.parameters()).device) for k, v in loaded.extra["ema"].items()}
         self.history = json.loads(loaded.extra["history"])
@@ -340,11 +259,6 @@ def reward_extra_means(out: Batch) -> dict[str, float]:
         if values and all(isinstance(v, (bool, int, float, np.bool_, np.number)) for v in values):
             means[key if key.startswith("reward/") else f"reward/{key}"] = float(np.mean([float(v) for v in values]))
     return means
-
-
-def category_accuracy(by_category: dict[str, float]) -> dict[str, float]:
-    """Each category's training accuracy from `category_reward_means`' figures (`accuracy_key`)."""
-    return {name: by_category[accuracy_key(f"{CATEGORY_PREFIX}{name}", by_category)] for name in category_names(by_category)}
 
 
 def category_reward_means(out: Batch, rewards: torch.Tensor) -> dict[str, float]:
@@ -392,7 +306,7 @@ class _StopRequest:
 
 def run(cfg: TrainConfig, log=print) -> dict:
     """Set up, train and clean up; returns the summary."""
-    recipe = FlowGRPORecipe(cfg, log)
+    recipe = RLRecipe(cfg, log)
     try:
         recipe.setup()
         return recipe.train()
@@ -400,4 +314,4 @@ def run(cfg: TrainConfig, log=print) -> dict:
         recipe.cleanup()
 
 
-__all__ = ["FlowGRPORecipe", "run"]
+__all__ = ["RLRecipe", "run"]

@@ -1,0 +1,105 @@
+"""What a trained checkpoint is, written beside its weights, and loading it back onto a model.
+
+Every ``flowloop train`` checkpoint folder holds ``flowloop.json`` (`TrainedWeights`): the base
+model folder, its family, the dtype it trained in, the fine-tune mode and the LoRA settings. With
+it the folder alone says how to rebuild the trained model: no run config, no trainer code. A
+checkpoint from before this file existed falls back to its run's ``config.yaml`` two folders up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from flowloop.models.lora import add_lora
+
+__all__ = ["DESCRIPTION", "TrainedWeights", "load_trained_weights"]
+
+DESCRIPTION = "flowloop.json"
+"""The file in a checkpoint folder that describes its weights."""
+
+FORMAT = "flowloop.trained_weights/1"
+
+
+@dataclass
+class TrainedWeights:
+    """How to rebuild the model a checkpoint's ``model.safetensors`` belongs to."""
+
+    model_path: str | None
+    """The base model folder (absolute); None is the embedded shapes model."""
+    family: str
+    """The adapter that loads it (`flowloop.models.family`): tiny, sd3, flux, qwen_image, wan."""
+    dtype: str
+    """The dtype the base model was loaded in for training (``float32``, ``bfloat16``...)."""
+    finetune: str
+    """``full``: the weights are the whole denoiser's; ``lora``: only its adapters."""
+    lora: dict = field(default_factory=dict)
+    """For ``lora``: ``rank``, ``alpha`` and ``target_modules`` (layer-name suffixes, as configured)."""
+    trainable_subfolder: str = "transformer"
+    """The model folder's component the weights replace (the denoiser)."""
+
+    def __post_init__(self) -> None:
+        if self.finetune not in ("full", "lora"):
+            raise ValueError(f"finetune must be 'full' or 'lora', got {self.finetune!r}")
+        if self.finetune == "lora" and not {"rank", "alpha", "target_modules"} <= set(self.lora):
+            raise ValueError(f"a LoRA checkpoint needs lora.rank, lora.alpha and lora.target_modules, got {self.lora}")
+
+    def as_dict(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def read(cls, checkpoint: str | Path) -> "TrainedWeights":
+        """Read ``checkpoint/flowloop.json`` (or, for an older checkpoint, its run's config.yaml)."""
+        checkpoint = Path(checkpoint)
+        path = checkpoint / DESCRIPTION
+        if not path.is_file():
+            return cls._from_run_config(checkpoint)
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as err:
+            raise ValueError(f"{path} is not valid JSON ({err})") from None
+        if data.pop("format", None) != FORMAT:
+            raise ValueError(f"{path} is not a {FORMAT} description")
+        return cls(**data)
+
+    @classmethod
+    def _from_run_config(cls, checkpoint: Path) -> "TrainedWeights":
+        import yaml
+
+        from flowloop.models import family
+
+        run_config = checkpoint.parent.parent / "config.yaml"
+        if not run_config.is_file():
+            raise FileNotFoundError(f"{checkpoint / DESCRIPTION} is missing (and there is no run config at {run_config}): "
+                                    "not a flowloop checkpoint folder")
+        config = yaml.safe_load(run_config.read_text())
+        model, actor = config["model"], config["actor"]
+        lora = {"rank": actor["lora_rank"], "alpha": actor["lora_alpha"], "target_modules": list(actor["lora_target_modules"])}
+        return cls(model_path=model.get("path"), family=family(model.get("path")), dtype=str(model.get("dtype", "float32")),
+                   finetune=actor["finetune"], lora=lora if actor["finetune"] == "lora" else {})
+
+
+def load_trained_weights(model, checkpoint: str | Path):
+    """Put a checkpoint's denoiser weights (full or LoRA) into ``model`` and return it.
+
+    ``checkpoint`` is a ``runs/<name>/checkpoints/step_N`` folder. For LoRA the adapters are first
+    added with the settings the checkpoint records, then filled in.
+    """
+    from safetensors.torch import load_file
+
+    weights_file = Path(checkpoint) / "model.safetensors"
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"{weights_file} is missing: pass a checkpoint folder runs/<name>/checkpoints/step_N")
+    description = TrainedWeights.read(checkpoint)
+    weights = load_file(str(weights_file))
+    module: torch.nn.Module = model.trainable_module()
+    if description.finetune == "lora":
+        add_lora(module, description.lora["rank"], description.lora["alpha"], description.lora["target_modules"])
+    missing, unexpected = module.load_state_dict(weights, strict=False)
+    missing = [key for key in missing if description.finetune == "full" or "lora_" in key]
+    if unexpected or missing:
+        raise ValueError(f"{weights_file} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
