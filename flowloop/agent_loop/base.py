@@ -32,6 +32,8 @@ class AgentLoopMetrics(BaseModel):
     """Part of it the requests waited in the rollout server's queue (from `DiffusionOutput.metrics`)."""
     reward_time: float = 0.0
     """Wall time from handing the sample to a reward worker to getting its score."""
+    retries: float = 0.0
+    """Replicas the request was sent to again because one was lost or held stale weights."""
 
 
 class AgentLoopOutput(BaseModel):
@@ -88,4 +90,5 @@ async def timed_generate(client, request: RolloutRequest, metrics: AgentLoopMetr
     output = await client.generate(request)
     metrics.generate_time += time.perf_counter() - start
     metrics.queue_time += float(output.metrics.get("queue_time", 0.0))
+    metrics.retries += float(output.metrics.get("retries", 0.0))
     return output

@@ -206,6 +206,7 @@ def _timing(rows: list[dict], worker_times: list[float], wall: float) -> dict[st
         "agent_loop/worker_max": max(worker_times),
         "agent_loop/worker_min": min(worker_times),
     }
+    timing["agent_loop/retries"] = float(sum(row.get("retries", 0.0) for row in rows))
     for key in TIMED:
         values = torch.tensor([row[key] for row in rows], dtype=torch.float64)
         if len(values):

@@ -98,7 +98,8 @@ class AgentLoopWorker:
         if not validate and step is None:
             raise ValueError("a training batch needs meta_info['global_steps'] (it seeds the rows); "
                              "set meta_info['validate']=True for validation")
-        params = dataclasses.replace(self._params[validate], global_steps=step)
+        params = dataclasses.replace(self._params[validate], global_steps=step,
+                                     weight_version=batch.meta_info.get("weight_version"))
         row_indices = self._row_indices(batch)
         base_seed, seed_step = (self.config.val_kwargs.seed, VALIDATION_STEP) if validate else (self.config.seed, step)
         # 2. Which loop runs each row; an unknown name fails before anything runs.

@@ -5,6 +5,10 @@ client, so routing needs no round trip and works the same for in-process `Rollou
 Ray actor handles (``ray.remote(RolloutServer).remote(engine)``): a replica whose methods have
 ``.remote`` is called through it and the returned ObjectRef awaited; ray is never imported here.
 Ties go round-robin, so sequential callers spread over the replicas too.
+
+A replica that is lost (its Ray actor died) or holds other weights than the request needs (it
+was restarted and not yet synced) does not fail the request: it goes to another replica, and
+the output's ``metrics["retries"]`` counts the hops.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from flowloop.rollout.types import DiffusionOutput, RolloutRequest
+from flowloop.rollout.types import DiffusionOutput, RolloutRequest, StaleWeightsError
 
 __all__ = ["RolloutClient"]
 
@@ -30,16 +34,26 @@ class RolloutClient:
         self._next = 0
 
     async def generate(self, request: RolloutRequest) -> DiffusionOutput:
-        """Send ``request`` to the least-loaded replica and await its `DiffusionOutput`."""
-        index = self._pick()
-        self._outstanding[index] += 1
-        self._routed[request.request_id] = index
-        try:
-            return await _call(self.replicas[index], "generate", request)
-        finally:
-            self._outstanding[index] -= 1
-            if self._routed.get(request.request_id) == index:
-                del self._routed[request.request_id]
+        """Send ``request`` to the least-loaded replica and await its `DiffusionOutput`; on a lost
+        or stale replica, to the least-loaded of the others (every replica is tried once)."""
+        tried: list[int] = []
+        while True:
+            index = self._pick(exclude=tried)
+            self._outstanding[index] += 1
+            self._routed[request.request_id] = index
+            try:
+                output = await _call(self.replicas[index], "generate", request)
+            except Exception as err:
+                tried.append(index)
+                if not _replica_unusable(err) or len(tried) == len(self.replicas):
+                    raise
+                continue
+            finally:
+                self._outstanding[index] -= 1
+                if self._routed.get(request.request_id) == index:
+                    del self._routed[request.request_id]
+            output.metrics["retries"] = float(len(tried))
+            return output
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request on the replica it was routed to; False if this client has none such."""
@@ -66,13 +80,19 @@ class RolloutClient:
     def num_outstanding(self) -> int:
         return sum(self._outstanding)
 
-    def _pick(self) -> int:
+    def _pick(self, exclude: Sequence[int] = ()) -> int:
         """Fewest outstanding; among equals, the first at or after the round-robin pointer."""
         n = len(self.replicas)
-        order = [(self._next + k) % n for k in range(n)]
+        order = [i for i in ((self._next + k) % n for k in range(n)) if i not in exclude]
         index = min(order, key=lambda i: self._outstanding[i])
         self._next = (index + 1) % n
         return index
+
+
+def _replica_unusable(err: BaseException) -> bool:
+    """A dead or restarting Ray actor (matched by name: ray is not imported here), or stale weights."""
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return isinstance(err, StaleWeightsError) or bool(names & {"RayActorError", "ActorDiedError", "ActorUnavailableError"})
 
 
 async def _call(replica: Any, method: str, *args: Any) -> Any:

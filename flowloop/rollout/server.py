@@ -31,7 +31,7 @@ import torch
 from flowloop.compute import compute_executor
 
 from flowloop.rollout.engine import RolloutEngine
-from flowloop.rollout.types import DiffusionOutput, RolloutRequest
+from flowloop.rollout.types import DiffusionOutput, RolloutRequest, StaleWeightsError
 
 __all__ = ["RolloutServer"]
 
@@ -75,7 +75,11 @@ class RolloutServer:
             raise ValueError(f"request_id {request.request_id!r} is already outstanding on this server")
         try:
             self.engine.validate(request)
-        except ValueError:
+            wanted = request.sampling_params.weight_version
+            if wanted is not None and wanted != self.weight_version:
+                raise StaleWeightsError(f"request {request.request_id} needs the weights of update {wanted}; "
+                                        f"this replica holds {self.weight_version}")
+        except (ValueError, StaleWeightsError):
             self._stats.rejected += 1
             raise
         pending = _Pending(request, self._loop.create_future(), time.perf_counter())

@@ -51,6 +51,10 @@ class SamplingParams:
     latent (a GRPO group with ``rollout.shared_initial_noise``); None = drawn from ``seed``'s generator."""
     global_steps: int | None = None
     """Trainer step that asked for this sample (for logging only)."""
+    weight_version: int | None = None
+    """The trainer update whose weights must sample this request: a replica holding others (one
+    restarted after a crash, say) refuses it with `StaleWeightsError` and the client sends it to
+    another. None: any weights."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
@@ -111,6 +115,10 @@ class SamplingParams:
                 f"sampling_params.num_inference_steps={self.num_inference_steps} leaves no SDE step to record "
                 f"log-probs on (the last step is ODE); use more steps, set sde_window_size, or logprobs=False"
             )
+
+
+class StaleWeightsError(RuntimeError):
+    """A replica was asked for a sample of weights it does not hold (`SamplingParams.weight_version`)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@ import asyncio
 import pytest
 
 from flowloop.rollout import RolloutClient, RolloutEngine, RolloutServer
+from flowloop.rollout.types import StaleWeightsError
 from tests.conftest import make_tiny_model
 from tests.rollout.helpers import mixed_requests
 
@@ -108,3 +109,28 @@ def test_ray_actor_replicas(engines):
     assert outstanding == [0, 0] and all(m["num_completed"] > 0 for m in metrics)
     for req, out in zip(requests, outputs):
         assert (engines[0].sample([req])[0].diffusion_output - out.diffusion_output).abs().max() <= 1e-5
+
+
+def test_a_replica_with_stale_weights_hands_the_request_to_one_with_the_right_ones(engines):
+    """Replica 0 missed the last weight update (as one restarted after a crash has): requests that
+    name update 3 are refused there and sampled by replica 1, with the weights it loaded and the
+    retry counted; a request no replica can serve fails with the reason."""
+    model = engines[0].model
+    weights = {k: v.clone() for k, v in model.trainable_module().state_dict().items()}
+
+    async def main():
+        servers = [RolloutServer(e, max_batch_size=4, max_wait_ms=1) for e in engines]
+        await servers[0].update_weights(None, 2)
+        await servers[1].update_weights(weights, 3)
+        client = RolloutClient(servers)
+        outputs = [await client.generate(r) for r in mixed_requests(model, 3, weight_version=3)]
+        with pytest.raises(StaleWeightsError, match="needs the weights of update 4"):
+            await client.generate(mixed_requests(model, 1, weight_version=4)[0])
+        for server in servers:
+            await server.stop()
+        return outputs, servers
+
+    outputs, servers = asyncio.run(main())
+    assert [int(o.extra_fields["weight_version"]) for o in outputs] == [3, 3, 3]
+    assert sum(o.metrics["retries"] for o in outputs) >= 1  # round-robin sends at least one to replica 0 first
+    assert servers[0].metrics()["num_rejected"] >= 1 and servers[1].metrics()["num_completed"] == 3
