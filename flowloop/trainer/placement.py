@@ -23,6 +23,12 @@ from flowloop.extras import require
 from flowloop.trainer.model_worker import ROLES, ModelWorker
 
 
+REPLICA_RESTARTS = 3
+"""Times Ray restarts a crashed rollout-only replica (disaggregated). While it comes back, its
+requests go to the others; it samples again once the next update's weights reach it. Trainer
+ranks are not restarted: an FSDP group cannot replace one rank alone."""
+
+
 class WorkerGroup:
     """The trainer ranks (``actors``) and the rollout replicas (``replicas``; the same handles
     when colocated)."""
@@ -54,7 +60,8 @@ class WorkerGroup:
         address = _rendezvous(ray, group, gpus)
         actors = [_remote(ray, group, i, gpus, cfg, roles, i, scale.ranks, address) for i in range(scale.ranks)]
         replicas = actors if colocated else [
-            _remote(ray, group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None) for j in range(scale.replicas)]
+            _remote(ray, group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None, restarts=REPLICA_RESTARTS)
+            for j in range(scale.replicas)]
         made = cls(actors, replicas, colocated, group)
         made._run(wait_ready(list(dict.fromkeys([*actors, *replicas]))))
         return made
@@ -125,13 +132,13 @@ class WorkerGroup:
         self._loop.close()
 
 
-def _remote(ray, group, bundle: int, gpus: int, *args):
+def _remote(ray, group, bundle: int, gpus: int, *args, restarts: int = 0):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     threads = str(torch.get_num_threads())
     strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
     return ray.remote(ModelWorker).options(
-        num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, max_concurrency=64,
+        num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, max_concurrency=64, max_restarts=restarts,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
     ).remote(*args)
 
