@@ -82,3 +82,32 @@ class RankShare:
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (a grad norm FSDP2 returns sharded), or the tensor itself."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def gather_train_state(module: torch.nn.Module, optimizer, trainable: set[str], share: RankShare,
+                       keep: bool = True) -> dict | None:
+    """The whole model (its ``trainable`` names) and optimizer state, unsharded and keyed by
+    parameter name, so a checkpoint loads on any number of ranks. A collective when sharded;
+    only ranks with ``keep`` get the result (None elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True) if share.distributed else None
+    model = get_model_state_dict(module, options=options)
+    optim = get_optimizer_state_dict(module, optimizer, options=options)
+    if not keep:
+        return None
+    return {"model": {k: v.detach().cpu() for k, v in model.items() if k in trainable}, "optimizer": optim}
+
+
+def load_train_state(module: torch.nn.Module, optimizer, state: dict, share: RankShare) -> None:
+    """Load `gather_train_state`'s result, whatever the number of ranks that saved it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=share.distributed, strict=False)
+    missing = set_model_state_dict(module, state["model"], options=options).missing_keys
+    unknown = [k for k in state["model"] if k not in module.state_dict()]
+    if unknown:
+        raise ValueError(f"checkpoint weights {unknown[:3]} are not in the model; was it saved with other "
+                         f"actor.finetune / LoRA settings? ({len(missing)} of the model's weights not in it)")
+    set_optimizer_state_dict(module, optimizer, state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True) if share.distributed else None)
