@@ -37,8 +37,11 @@ class PipelineConfig:
     """Denoising steps per sample; 10 is Flow-GRPO's published training setting."""
     guidance_scale: float = 1.0
     """Classifier-free guidance; 1.0 runs no unconditional pass (the embedded model needs none)."""
-    shift: float = 1.0
-    """SD3-style sigma shift; 1.0 keeps the linear schedule the embedded model was trained on."""
+    shift: Any = 1.0
+    """Sigma shift: a number > 0 (SD3-style ``s t / (1 + (s - 1) t)``; 1.0 keeps the linear schedule
+    the embedded model was trained on), or ``auto``: the model's own scheduler config decides, at
+    the sampled resolution (FLUX / Qwen-Image: diffusers' dynamic shift, ``exp(mu)`` from the
+    image token count; SD3 / Wan: their fixed shift; no scheduler config: 1.0)."""
 
 
 @dataclass
@@ -182,9 +185,11 @@ class RolloutConfig:
             raise ValueError(f"reward.kwargs is set ({sorted(self.reward.kwargs)}) but reward.name is null; set both or neither")
         if self.reward.failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"reward.failure_policy must be one of {list(FAILURE_POLICIES)}, got {self.reward.failure_policy!r}")
+        _check_shift("pipeline.shift", self.pipeline.shift)
         # val_kwargs are free dicts: check their keys and types against the typed sections once, here.
         for section, schema in (("pipeline", PipelineConfig), ("algo", AlgoConfig)):
             self._validation_section(section, schema)
+        _check_shift("val_kwargs.pipeline.shift", self._validation_section("pipeline", PipelineConfig).shift)
 
     def sampling_dict(self, validate: bool) -> dict[str, Any]:
         """The merged ``pipeline`` + ``algo`` (+ ``val_kwargs`` when validating) settings and
@@ -207,3 +212,12 @@ class RolloutConfig:
         except OmegaConfBaseException as err:
             raise ValueError(f"val_kwargs.{section}: {str(err).splitlines()[0]}") from None
         return OmegaConf.to_object(merged)
+
+
+def _check_shift(key: str, value: Any) -> None:
+    """``auto`` or a finite number > 0 (``Any`` in the schema: OmegaConf has no float-or-str type)."""
+    if value == "auto":
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+    if not ok:
+        raise ValueError(f"{key} must be a number > 0 or 'auto' (the model's own scheduler shift), got {value!r}")

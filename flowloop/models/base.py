@@ -11,6 +11,7 @@ from t = 1 (noise) to t = 0 (data), and ``velocity`` predicts ``eps - x0``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -53,7 +54,29 @@ class FlowModel(Protocol):
         Optional: ``combine_guidance(v_cond, v_uncond, guidance_scale)``, a family's own CFG rule
         (Qwen-Image rescales the guided velocity); `flowloop.rollout.engine.guided_velocity` uses
         it in place of ``apply_cfg`` when present, in the rollout and the replay alike.
+
+        Optional: ``scheduler_shift`` (a `SchedulerShift`, read from the folder's scheduler config)
+        and, for a dynamic one, ``image_seq_len(height, width)``: what ``shift: auto`` resolves from.
+        A model without them samples ``auto`` unshifted.
         """
+
+
+@dataclass(frozen=True)
+class SchedulerShift:
+    """The sigma shift a model's own scheduler applies (``scheduler/scheduler_config.json``), so
+    ``rollout.pipeline.shift: auto`` samples on the grid the model was trained for."""
+
+    shift: float = 1.0
+    """The fixed SD3-style shift (``shift``, or Wan's ``flow_shift``); used when not dynamic."""
+    dynamic: bool = False
+    """FLUX / Qwen-Image (``use_dynamic_shifting``): the shift is ``exp(mu)``, ``mu`` linear in the
+    image token count through (base_seq_len, base_shift) and (max_seq_len, max_shift)."""
+    base_seq_len: int = 256
+    max_seq_len: int = 4096
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    shift_terminal: float | None = None
+    """Qwen-Image's stretch of the grid to end at this sigma before 0; None: no stretch."""
 
 
 def is_embedding_key(key: str) -> bool:

@@ -48,7 +48,8 @@ from flowloop.models.diffusers_common import (
     tokenize_like_pipeline,
     vae_scale_factor,
 )
-from flowloop.models.loading import load_component, load_tokenizer
+from flowloop.models.base import SchedulerShift
+from flowloop.models.loading import load_component, load_tokenizer, read_scheduler_shift
 
 PIPELINE_CLASS = "FluxPipeline"
 
@@ -69,8 +70,9 @@ class FluxFlowModel:
     """CLIP-L (pooled) + T5 text encoders, the FLUX transformer and the VAE; see `flowloop.models.base.FlowModel`."""
 
     def __init__(self, tokenizer, clip_tokenizer, clip_encoder, t5_encoder, transformer, vae, guidance: float,
-                 max_sequence_length: int):
+                 max_sequence_length: int, scheduler_shift: SchedulerShift = SchedulerShift()):
         self.tokenizer = tokenizer
+        self.scheduler_shift = scheduler_shift  # dynamic: what shift: auto samples with
         self.clip_tokenizer = clip_tokenizer
         self.clip_encoder = clip_encoder  # frozen
         self.t5_encoder = t5_encoder  # frozen
@@ -109,7 +111,7 @@ class FluxFlowModel:
         vae = load_frozen(path, "vae", AutoencoderKL, dtype, device)
         transformer = load_component(path, "transformer", FluxTransformer2DModel, dtype).to(device)
         return cls(tokenizer, clip_tokenizer, clip_encoder, t5_encoder, transformer, vae, float(guidance),
-                   max_sequence_length)
+                   max_sequence_length, read_scheduler_shift(path))
 
     # -- FlowModel ----------------------------------------------------------------------
     @property
@@ -123,6 +125,11 @@ class FluxFlowModel:
         cell = 2 * self.vae_scale_factor
         check_resolution(height, width, cell)
         return (self.transformer.config.in_channels, height // cell, width // cell)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Denoiser image tokens at this resolution (the packed grid): the dynamic shift's input."""
+        _, h, w = self.latent_shape(height, width)
+        return h * w
 
     @torch.no_grad()
     def encode_prompt(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:

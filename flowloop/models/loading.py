@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from flowloop.models.base import SchedulerShift
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -73,3 +75,28 @@ def load_tokenizer(root: str | Path, subfolder: str = "tokenizer"):
     if not tokenizer.is_fast:
         raise ValueError(f"{folder} gave a slow tokenizer; flowloop needs a fast (tokenizers) one.")
     return tokenizer
+
+
+def read_scheduler_shift(root: str | Path) -> SchedulerShift:
+    """The `SchedulerShift` of ``root/scheduler/scheduler_config.json``; no shift without one."""
+    path = Path(root) / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        return SchedulerShift()
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}).") from err
+    dynamic = bool(config.get("use_dynamic_shifting", False))
+    if dynamic and config.get("time_shift_type", "exponential") != "exponential":
+        raise ValueError(f"{path}: time_shift_type={config['time_shift_type']!r} with dynamic shifting is not supported "
+                         "(only 'exponential', as FLUX and Qwen-Image); set rollout.pipeline.shift to a number")
+    defaults = SchedulerShift()
+    return SchedulerShift(
+        shift=float(config.get("shift", config.get("flow_shift", defaults.shift))),
+        dynamic=dynamic,
+        base_seq_len=int(config.get("base_image_seq_len", defaults.base_seq_len)),
+        max_seq_len=int(config.get("max_image_seq_len", defaults.max_seq_len)),
+        base_shift=float(config.get("base_shift", defaults.base_shift)),
+        max_shift=float(config.get("max_shift", defaults.max_shift)),
+        shift_terminal=config.get("shift_terminal") or None,
+    )

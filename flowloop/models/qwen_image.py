@@ -37,7 +37,8 @@ from flowloop.models.diffusers_common import (
     to_unit_images,
     valid_tokens_first,
 )
-from flowloop.models.loading import load_component
+from flowloop.models.base import SchedulerShift
+from flowloop.models.loading import load_component, read_scheduler_shift
 
 PIPELINE_CLASS = "QwenImagePipeline"
 
@@ -71,8 +72,10 @@ TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
 class QwenImageFlowModel:
     """Qwen-Image text encoder + MMDiT + VAE; see `flowloop.models.base.FlowModel` and the module docstring."""
 
-    def __init__(self, tokenizer, text_encoder, transformer, vae, max_sequence_length: int = 1024):
+    def __init__(self, tokenizer, text_encoder, transformer, vae, max_sequence_length: int = 1024,
+                 scheduler_shift: SchedulerShift = SchedulerShift()):
         self.tokenizer = tokenizer
+        self.scheduler_shift = scheduler_shift  # dynamic, stretched: what shift: auto samples with
         self.text_encoder = frozen(text_encoder)
         self.transformer = transformer
         self.vae = frozen(vae)
@@ -107,7 +110,7 @@ class QwenImageFlowModel:
         text_encoder = load_frozen(path, "text_encoder", Qwen2_5_VLForConditionalGeneration, dtype, device)
         vae = load_frozen(path, "vae", AutoencoderKLQwenImage, dtype, device)
         transformer = load_component(path, "transformer", QwenImageTransformer2DModel, dtype).to(device)
-        return cls(tokenizer, text_encoder, transformer, vae, max_sequence_length)
+        return cls(tokenizer, text_encoder, transformer, vae, max_sequence_length, read_scheduler_shift(path))
 
     # -- FlowModel ----------------------------------------------------------------------
     @property
@@ -123,6 +126,11 @@ class QwenImageFlowModel:
             raise ValueError(f"num_frames={num_frames}: Qwen-Image makes images; leave num_frames unset (null)")
         check_resolution(height, width, self.vae_scale_factor * self.patch_size)
         return (self.latent_channels, height // self.vae_scale_factor, width // self.vae_scale_factor)
+
+    def image_seq_len(self, height: int, width: int) -> int:
+        """Denoiser image tokens at this resolution (patches of the latent): the dynamic shift's input."""
+        _, h, w = self.latent_shape(height, width)
+        return (h // self.patch_size) * (w // self.patch_size)
 
     @torch.no_grad()
     def encode_prompt(self, prompt_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -42,7 +42,8 @@ from flowloop.models.diffusers_common import (
     tokenize_like_pipeline,
     vae_scale_factor,
 )
-from flowloop.models.loading import load_component, load_tokenizer
+from flowloop.models.base import SchedulerShift
+from flowloop.models.loading import load_component, load_tokenizer, read_scheduler_shift
 
 PIPELINE_CLASS = "StableDiffusion3Pipeline"
 
@@ -60,8 +61,10 @@ TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 class SD3FlowModel:
     """CLIP-L + CLIP-G + T5 text encoders, the SD3 MMDiT and the VAE; see `flowloop.models.base.FlowModel`."""
 
-    def __init__(self, tokenizer, clip_tokenizers, text_encoders, t5_encoder, transformer, vae, t5_tokens: int):
+    def __init__(self, tokenizer, clip_tokenizers, text_encoders, t5_encoder, transformer, vae, t5_tokens: int,
+                 scheduler_shift: SchedulerShift = SchedulerShift()):
         self.tokenizer = tokenizer
+        self.scheduler_shift = scheduler_shift  # what shift: auto samples with
         self.clip_tokenizers = list(clip_tokenizers)
         self.text_encoders = list(text_encoders)  # frozen CLIP-L, CLIP-G
         self.t5_encoder = t5_encoder  # frozen
@@ -98,7 +101,8 @@ class SD3FlowModel:
         t5_encoder = load_frozen(path, "text_encoder_3", T5EncoderModel, dtype, device)
         vae = load_frozen(path, "vae", AutoencoderKL, dtype, device)
         transformer = load_component(path, "transformer", SD3Transformer2DModel, dtype).to(device)
-        return cls(tokenizer, clip_tokenizers, text_encoders, t5_encoder, transformer, vae, max_sequence_length)
+        return cls(tokenizer, clip_tokenizers, text_encoders, t5_encoder, transformer, vae, max_sequence_length,
+                   read_scheduler_shift(path))
 
     # -- FlowModel ----------------------------------------------------------------------
     @property

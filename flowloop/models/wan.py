@@ -36,7 +36,8 @@ from flowloop.models.diffusers_common import (
     to_unit_images,
     valid_tokens_first,
 )
-from flowloop.models.loading import load_component
+from flowloop.models.base import SchedulerShift
+from flowloop.models.loading import load_component, read_scheduler_shift
 
 PIPELINE_CLASS = "WanPipeline"
 
@@ -50,7 +51,8 @@ class WanFlowModel:
     """UMT5 + Wan video DiT + Wan VAE; see `flowloop.models.base.FlowModel` and the module docstring."""
 
     def __init__(self, tokenizer, text_encoder, transformer, vae, max_sequence_length: int = 512,
-                 expand_timesteps: bool = False):
+                 expand_timesteps: bool = False, scheduler_shift: SchedulerShift = SchedulerShift()):
+        self.scheduler_shift = scheduler_shift  # flow_shift: what shift: auto samples with
         self.tokenizer = tokenizer
         self.text_encoder = frozen(text_encoder)
         self.transformer = transformer
@@ -87,7 +89,7 @@ class WanFlowModel:
         vae = load_frozen(path, "vae", AutoencoderKLWan, dtype, device)
         transformer = load_component(path, "transformer", WanTransformer3DModel, dtype).to(device)
         return cls(tokenizer, text_encoder, transformer, vae, max_sequence_length,
-                   expand_timesteps=bool(index.get("expand_timesteps", False)))
+                   expand_timesteps=bool(index.get("expand_timesteps", False)), scheduler_shift=read_scheduler_shift(path))
 
     # -- FlowModel ----------------------------------------------------------------------
     @property

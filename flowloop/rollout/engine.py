@@ -22,6 +22,7 @@ runs the same weights and kernels on the same batch shape.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -31,10 +32,12 @@ import torch
 
 from flowloop.allocator import keep_freed_memory
 from flowloop.compute import shard_executor
-from flowloop.models.base import FlowModel
+from flowloop.models.base import FlowModel, SchedulerShift
 from flowloop.models.prompt_ids import encode_chat
 from flowloop.rollout.types import DiffusionOutput, RolloutRequest, SamplingParams
-from flowloop.sampling import apply_cfg, get_step, needs_uncond, ode_step, randn_per_sample, sde_window, sigmas
+from flowloop.sampling import (
+    apply_cfg, get_step, needs_uncond, ode_step, randn_per_sample, resolution_shift_mu, sde_window, sigmas,
+)
 
 __all__ = ["AUTO_SHARD_MAX_THREADS", "MIN_SHARD_ROWS", "NEGATIVE", "RolloutEngine", "guided_velocity"]
 
@@ -253,7 +256,7 @@ class RolloutEngine:
         """Run every step; a row takes the SDE step inside its window, the Euler step outside."""
         step_fn = get_step(params.sampler)
         step_kwargs = {"logprob_mode": params.logprob_mode} if params.sampler == "cps" else {}
-        schedule = sigmas(params.num_inference_steps, params.shift)  # [N+1] float32
+        schedule = model_sigmas(self.model, params)  # [N+1] float32
         batch, device = latents.shape[0], latents.device
         records = [_Record() for _ in range(batch)]
         for i in range(params.num_inference_steps):
@@ -292,6 +295,20 @@ class RolloutEngine:
 # ---------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def model_sigmas(model: FlowModel, params: SamplingParams) -> torch.Tensor:
+    """The sigma grid ``[N+1]`` of a request: its numeric ``shift``, or for ``shift="auto"`` the
+    model's own scheduler's (`SchedulerShift`) at the request's resolution, as its pipeline computes it."""
+    if params.shift != "auto":
+        return sigmas(params.num_inference_steps, params.shift)
+    rule = getattr(model, "scheduler_shift", None) or SchedulerShift()
+    shift = rule.shift
+    if rule.dynamic:
+        mu = resolution_shift_mu(model.image_seq_len(params.height, params.width), rule.base_seq_len, rule.max_seq_len,
+                                 rule.base_shift, rule.max_shift)
+        shift = math.exp(mu)
+    return sigmas(params.num_inference_steps, shift, shift_terminal=rule.shift_terminal)
 
 
 def _slices(batch: int, shards: int) -> list[slice]:

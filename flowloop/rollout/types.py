@@ -30,8 +30,9 @@ class SamplingParams:
     num_inference_steps: int = 10
     guidance_scale: float = 1.0
     """Classifier-free guidance; <= 1 runs no unconditional pass. With a negative prompt it is true CFG."""
-    shift: float = 1.0
-    """SD3-style sigma shift (1.0 = plain linear schedule)."""
+    shift: float | str = 1.0
+    """SD3-style sigma shift (1.0 = plain linear schedule), or "auto": the model's own scheduler's
+    shift at this resolution (`flowloop.rollout.engine.model_sigmas`)."""
     sampler: str = "sde"
     """One of ode, sde, cps, dance (see flowloop.sampling)."""
     noise_level: float = 0.7
@@ -89,7 +90,8 @@ class SamplingParams:
             _check_int("num_frames", self.num_frames, 1)
         _check_int("num_inference_steps", self.num_inference_steps, 1)
         _check_float("guidance_scale", self.guidance_scale)
-        _check_float("shift", self.shift, positive=True)
+        if self.shift != "auto":
+            _check_float("shift", self.shift, positive=True)
         _check_float("noise_level", self.noise_level, non_negative=True)
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampling_params.sampler: unknown sampler {self.sampler!r}; known: {list(SAMPLERS)}")

@@ -11,6 +11,9 @@ Two shifts move the grid towards high noise, as the real models expect:
 - FLUX / Qwen-Image ("exponential", resolution dependent): ``mu`` is interpolated from the image
   token count (``resolution_shift_mu``), then ``exp(mu) / (exp(mu) + (1 / t - 1))``.
 
+Qwen-Image's scheduler also stretches the shifted grid so its last non-zero sigma is
+``shift_terminal`` (`stretch_to_terminal`), as diffusers' ``stretch_shift_to_terminal`` does.
+
 The unshifted grid is ``linspace(1, 0, num_steps + 1)``, the same points as the FLUX and Qwen-Image
 pipelines (``linspace(1, 1 / N, N)`` plus a final 0). diffusers' SD3 scheduler instead ends its
 grid at ``sigma_min`` (about 1e-3) before the final 0; the difference is in the last step only.
@@ -22,7 +25,7 @@ import math
 
 import torch
 
-__all__ = ["resolution_shift_mu", "sigmas", "time_shift_exponential", "time_shift_linear"]
+__all__ = ["resolution_shift_mu", "sigmas", "stretch_to_terminal", "time_shift_exponential", "time_shift_linear"]
 
 
 def time_shift_linear(shift: float, t: torch.Tensor | float) -> torch.Tensor | float:
@@ -76,11 +79,24 @@ def resolution_shift_mu(
     return base_shift + slope * (image_seq_len - base_seq_len)
 
 
+def stretch_to_terminal(t: torch.Tensor, shift_terminal: float) -> torch.Tensor:
+    """Scale ``1 - t`` so the grid's last point becomes ``shift_terminal`` (its first stays 1).
+
+    ``t``: the non-zero sigmas ``[N]`` (without the final 0). A model trained with this stretch
+    never sees the smallest sigmas the plain grid would end on.
+    """
+    if not 0 < shift_terminal < 1:
+        raise ValueError(f"shift_terminal must be in (0, 1), got {shift_terminal!r}")
+    one_minus = 1 - t
+    return 1 - one_minus / (one_minus[-1] / (1 - shift_terminal))
+
+
 def sigmas(
     num_steps: int,
     shift: float = 1.0,
     *,
     mu: float | None = None,
+    shift_terminal: float | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """The sigma grid ``[num_steps + 1]`` (float32) from 1 down to exactly 0.
@@ -90,6 +106,8 @@ def sigmas(
         shift: SD3-style shift (``time_shift_linear``); 1.0 leaves the linear grid unchanged.
         mu: FLUX / Qwen-Image resolution shift (``time_shift_exponential``), usually from
             ``resolution_shift_mu``. Give ``shift`` or ``mu``, not both.
+        shift_terminal: after the shift, stretch the grid to end (before 0) at this sigma
+            (`stretch_to_terminal`); None leaves it.
         device: where the returned tensor lives.
     """
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
@@ -106,6 +124,8 @@ def sigmas(
         t = time_shift_exponential(mu, t)
     elif shift != 1.0:
         t = time_shift_linear(shift, t)
+    if shift_terminal is not None:
+        t = torch.cat([stretch_to_terminal(t[:-1], shift_terminal), t[-1:]])  # [N+1], the final 0 kept
     return t.to(device=device, dtype=torch.float32)
 
 
