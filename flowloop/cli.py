@@ -89,46 +89,103 @@ def _load_model(args):
 
 
 def cmd_generate(args) -> None:
-    from PIL import Image
-
-    from flowloop.trainer.evaluate import ode_sample
+    from flowloop.trainer.evaluate import sample
 
     model = _load_model(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     seeds = [args.seed + k for k in range(args.num)]
-    model.tokenize([args.prompt])  # fail fast on unknown words, before any sampling
-    resolution = args.resolution or model.default_resolution
-    model.latent_shape(resolution, resolution)  # and on a resolution the model cannot take
     bar, update = _progress(args.num, "generate")
-    images = ode_sample(model, [args.prompt] * args.num, seeds, args.steps, args.guidance_scale, resolution, progress=update)
-    bar.close()
+    try:  # a prompt or size the model cannot take fails before any sampling
+        samples = sample(model, [args.prompt] * args.num, seeds, args.steps, args.guidance_scale,
+                         args.resolution, args.resolution, args.num_frames, progress=update)
+    finally:
+        bar.close()
+    out.mkdir(parents=True, exist_ok=True)
     stem = "_".join(args.prompt.lower().split())[:60]
-    for seed, image in zip(seeds, images):
-        path = out / f"{stem}_seed{seed}.png"
-        Image.fromarray(image).resize((image.shape[1] * args.upscale,) * 2, Image.NEAREST).save(path)
-        print(path)
+    for seed, x in zip(seeds, samples):
+        print(_save_sample(x, out / f"{stem}_seed{seed}", args.upscale))
+
+
+def _save_sample(x, stem: Path, upscale: int | None) -> Path:
+    """An image ``[C, H, W]`` as ``stem.png``, a video ``[T, C, H, W]`` as ``stem.gif`` (every
+    frame), nearest-neighbour upscaled (default: 4x below 128 pixels, else 1x)."""
+    from PIL import Image
+
+    from flowloop.trainer.evaluate import to_uint8_images
+
+    frames = to_uint8_images(x if x.ndim == 4 else x[None])  # [T, H, W, 3]
+    height, width = frames.shape[1:3]
+    factor = upscale or (4 if max(height, width) < 128 else 1)
+    pictures = [Image.fromarray(f).resize((width * factor, height * factor), Image.NEAREST) for f in frames]
+    if x.ndim == 3:
+        path = stem.with_suffix(".png")
+        pictures[0].save(path)
+    else:
+        path = stem.with_suffix(".gif")
+        pictures[0].save(path, save_all=True, append_images=pictures[1:], duration=125, loop=0)
+    return path
 
 
 def cmd_eval(args) -> None:
-    from flowloop.trainer.evaluate import eval_plan, evaluate
+    if args.prompts or args.reward:
+        return _eval_prompt_file(args)
+    from flowloop.tasks.shapes.task import eval_plan
+    from flowloop.trainer.evaluate import evaluate
     from flowloop.visual import print_eval_table, save_grid
 
     model = _load_model(args)
     total = len(eval_plan(args.split, args.samples_per_prompt)[0])
     bar, update = _progress(total, f"eval {args.split}")
-    result, images, prompts = evaluate(
-        model, args.split, args.samples_per_prompt, args.steps, args.guidance_scale, args.seed, progress=update
-    )
-    bar.close()
+    try:
+        result, images, prompts = evaluate(model, args.split, args.samples_per_prompt, args.steps, args.guidance_scale,
+                                           args.seed, progress=update, resolution=args.resolution)
+    finally:
+        bar.close()
     print_eval_table(result, title=f"{args.split} split, {args.steps} ODE steps, guidance {args.guidance_scale}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2) + "\n")
-        print(f"wrote {args.json}")
+    _write_json(args.json, result.as_dict())
     if args.grid:
         save_grid(images, prompts, args.grid, per_prompt=args.samples_per_prompt)
         print(f"wrote {args.grid}")
+
+
+def _eval_prompt_file(args) -> None:
+    """`flowloop eval --prompts FILE --reward NAME`: the prompt-file task's validation metrics
+    (``val/reward`` and the reward's numeric extras) over every prompt at fixed seeds."""
+    from flowloop.reward.registry import build_reward
+    from flowloop.reward.serve import parse_kwargs
+    from flowloop.tasks import PromptFileTask, load_prompt_file
+    from flowloop.trainer.evaluate import first_frames, sample, score_rows, to_uint8_images
+    from flowloop.visual import save_grid
+
+    if not (args.prompts and args.reward):
+        raise ValueError("--prompts FILE and --reward NAME go together: the samples of a prompt file are scored by a "
+                         "reward (a registered name such as jpeg_compressibility, or module:function)")
+    prompts = load_prompt_file(args.prompts, "--prompts")
+    reward_fn = build_reward(args.reward, parse_kwargs(args.reward_kwargs))  # a bad name fails before the model loads
+    task = PromptFileTask(prompts, prompts)
+    rows = [row for row in prompts for _ in range(args.samples_per_prompt)]
+    seeds = [args.seed + k for _ in prompts for k in range(args.samples_per_prompt)]
+    model = _load_model(args)
+    bar, update = _progress(len(rows), f"eval {Path(args.prompts).name}")
+    try:
+        samples = sample(model, [row["raw_prompt"] for row in rows], seeds, args.steps, args.guidance_scale,
+                         args.resolution, args.resolution, args.num_frames, progress=update)
+    finally:
+        bar.close()
+    metrics, grid = task.evaluate(to_uint8_images(first_frames(samples)), score_rows(reward_fn, samples, rows))
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}")
+    _write_json(args.json, {**metrics, "reward": args.reward, "n": len(rows)})
+    if args.grid:
+        save_grid(grid.images, grid.captions, args.grid, per_prompt=grid.per_row)
+        print(f"wrote {args.grid}")
+
+
+def _write_json(path: str | None, values: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(values, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 def cmd_serve_reward(args) -> None:
@@ -174,26 +231,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     model_help = "model folder in diffusers layout (default: the embedded shapes model)"
     checkpoint_help = "a flowloop train checkpoint (runs/<name>/checkpoints/step_N) whose weights replace the model's"
-    p = sub.add_parser("generate", help="sample images for one prompt into PNG files")
+    resolution_help = "square image size (default: the model's own)"
+    frames_help = "video frames, for a video model such as Wan (e.g. 33); leave unset for images"
+    p = sub.add_parser("generate", help="sample images (PNG) or videos (GIF) for one prompt, any model family")
     p.add_argument("prompt")
-    p.add_argument("--out", required=True, help="folder for the PNG files")
-    p.add_argument("--num", type=int, default=4, help="images to make (seeds seed..seed+num-1)")
+    p.add_argument("--out", required=True, help="folder for the files")
+    p.add_argument("--num", type=int, default=4, help="samples to make (seeds seed..seed+num-1)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--steps", type=int, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0)
-    p.add_argument("--resolution", type=int, default=None, help="square image size (default: the model's own)")
-    p.add_argument("--upscale", type=int, default=4, help="nearest-neighbour upscale of the saved PNGs")
+    p.add_argument("--resolution", type=int, default=None, help=resolution_help)
+    p.add_argument("--num-frames", type=int, default=None, help=frames_help)
+    p.add_argument("--upscale", type=int, default=None, help="nearest-neighbour upscale of the saved files (default: 4 below 128 pixels, else 1)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("eval", help="GenEval-style accuracy on the shapes world at fixed seeds")
-    p.add_argument("--split", choices=["train", "heldout"], default="heldout")
-    p.add_argument("--json", default=None, help="write {accuracy, score, per_category, n} here")
+    p = sub.add_parser("eval", help="GenEval-style accuracy on the shapes world, or a reward over a prompt file "
+                                    "(--prompts FILE --reward NAME), at fixed seeds")
+    p.add_argument("--split", choices=["train", "heldout"], default="heldout", help="shapes split (without --prompts)")
+    p.add_argument("--prompts", default=None, help="a .txt (one prompt per line) or .jsonl prompt file to evaluate instead of the shapes world")
+    p.add_argument("--reward", default=None, help="with --prompts: the reward that scores the samples (e.g. jpeg_compressibility, pickscore, module:function)")
+    p.add_argument("--reward-kwargs", action="append", default=[], metavar="JSON|KEY=VALUE",
+                   help="the reward's kwargs, repeatable: '{\"device\": \"cuda:0\"}' or scale_kb=100")
+    p.add_argument("--json", default=None, help="write the metrics here (shapes: {accuracy, score, per_category, n}; "
+                                                "prompts: {val/reward, ..., reward, n})")
     p.add_argument("--grid", default=None, help="also save a PNG grid of the samples here")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="seeds seed..seed+k-1 per prompt; 8 keeps small categories from being noisy")
     p.add_argument("--steps", type=int, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--resolution", type=int, default=None, help=resolution_help)
+    p.add_argument("--num-frames", type=int, default=None, help=frames_help)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)

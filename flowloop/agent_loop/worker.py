@@ -37,8 +37,7 @@ VALIDATION_STEP = -1
 
 def row_seed(base_seed: int, global_step: int, global_row_index: int | str) -> int:
     """The seed of one row: the first 8 bytes of BLAKE2b over ``"base:step:row"``, as an integer
-    in [0, 2**63). Stable across processes, machines and Python versions (unlike ``hash()``).
-    A group's shared initial noise passes ``"uid=<uid>"`` for the row, which no row index equals."""
+    in [0, 2**63). Stable across processes, machines and Python versions (unlike ``hash()``)."""
     digest = hashlib.blake2b(f"{base_seed}:{global_step}:{global_row_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
@@ -78,7 +77,7 @@ class AgentLoopWorker:
         ``batch.meta_info``: ``validate`` (bool, default False) and, when training,
         ``global_steps`` (the trainer step, which seeds the rows). Non-tensor columns used:
         ``raw_prompt`` (required), ``agent_name``, ``global_row_index``, ``negative_prompt``,
-        ``uid`` (the group; needed with ``shared_initial_noise``);
+        ``uid`` (the group);
         every input non-tensor column is carried to the output, input tensors are not.
 
         Returns a batch with tensors ``prompts`` ``[bsz, prompt_length]`` (left-padded),
@@ -106,18 +105,12 @@ class AgentLoopWorker:
         names = batch[AGENT_NAME_KEY] if AGENT_NAME_KEY in batch else [self.config.agent.default_agent_loop] * len(batch)
         for name in sorted(set(names)):
             agent_loop_config(name)
-        group_starts = self.config.shared_initial_noise and not validate
-        if group_starts and "uid" not in batch:
-            raise ValueError("rollout.shared_initial_noise=true needs a 'uid' non-tensor column naming each row's group; "
-                             "add one or set rollout.shared_initial_noise=false")
         # 3. One task per row; each streams its sample to a reward worker when it is done.
         hidden = (AGENT_NAME_KEY, ROW_INDEX_KEY)
         tasks = []
         for i, row_index in enumerate(row_indices):
             row = {key: column[i] for key, column in batch.non_tensors.items() if key not in hidden}
             row_params = dataclasses.replace(params, seed=row_seed(base_seed, seed_step, row_index))
-            if group_starts:
-                row_params = dataclasses.replace(row_params, noise_seed=row_seed(base_seed, seed_step, f"uid={row['uid']}"))
             tasks.append(asyncio.create_task(self._run_row(names[i], row_params, row, row_index)))
         results = await _gather_or_cancel(tasks)
         # 4. Pad and stack.

@@ -158,12 +158,6 @@ class RolloutConfig:
     """Record per-step log-probs in training (FlowGRPO's ``logp_old``). Validation never does."""
     seed: int = 0
     """Base of the training seeds: row r of step s gets ``row_seed(seed, s, r)``."""
-    shared_initial_noise: bool = False
-    """Training rows of one ``uid`` (a GRPO group) start from the same initial noise, as in
-    DanceGRPO; each row keeps its own SDE noise. The group's reward spread then comes from the
-    steps the policy is trained on, not from a start it cannot change. Validation is unaffected.
-    Off by default: on the shapes world it left as many groups all-equal and did not learn more
-    (benchmarks/results/recipe_sweep_h200_round15.txt)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad key; called by `load_config` and the workers."""

@@ -18,7 +18,6 @@ FINETUNE_MODES = ("full", "lora")
 ACTOR_OBJECTIVES = ("flow_grpo", "nft")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 RESUME_MODES = ("never", "auto")
-PROMPT_SAMPLING = ("uniform", "category_balanced")
 
 
 @dataclass
@@ -39,24 +38,24 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    task: Optional[str] = None
+    """The task (`flowloop.tasks`): ``shapes``, ``prompt_file`` or another registered one; None
+    picks ``prompt_file`` when ``prompt_file`` is set, else ``shapes``. The task checks the keys it reads."""
     train_split: str = "train"
     """Shapes-world split the training prompts come from (never the held-out one)."""
     val_split: str = "heldout"
     """Split validation reports accuracy on."""
     prompts_per_step: int = 16
     """Distinct prompts per RL step; each is sampled ``rollout.n`` times (a group)."""
-    extra_prompts_per_step: int = 0
-    """Prompts sampled beyond ``prompts_per_step`` each step; once scored, only the
-    ``prompts_per_step`` groups whose rewards spread most train (DAPO's dynamic sampling with a
-    fixed update batch): a group whose samples all score the same teaches nothing. 0 = off:
-    on the shapes world 4 extra cut the zero-variance share from 0.23 to 0.02-0.06 but gained
-    only 1 point over seeds 0-5 for 50% more sampling (recipe_sweep_h200_round15.txt)."""
     prompt_file: Optional[str] = None
     """Train prompts from a local file (``.txt``, one per line, or ``.jsonl`` with ``prompt``; see
-    `flowloop.trainer.prompt_data`) instead of the shapes world; for real models."""
+    `flowloop.tasks.prompt_file`) instead of the shapes world; for real models."""
     val_prompt_file: Optional[str] = None
     """Validation prompts (same formats) scored with the training reward; None with a
-    ``prompt_file`` validates on that file's first ``trainer.val_samples_per_category`` prompts."""
+    ``prompt_file`` validates on that file's first ``val_train_prompts`` prompts."""
+    val_train_prompts: int = 32
+    """With a ``prompt_file`` and no ``val_prompt_file``: how many of the training file's first
+    prompts validation samples (one sample each, at fixed seeds)."""
     negative_prompt: Optional[str] = None
     """The negative prompt of every row, for true CFG (``rollout.pipeline.guidance_scale > 1``);
     None = plain CFG against the empty prompt. Qwen-Image recommends ``" "``."""
@@ -68,13 +67,6 @@ class DataConfig:
     """With ``category_balanced``: relative weights of the categories named (others keep 1.0),
     e.g. ``{color_attr: 2, single_object: 0.5}`` to spend more samples where accuracy is lowest.
     None draws every category equally."""
-    category_focus: float = 0.0
-    """With ``category_balanced``: > 0 scales each category's weight by ``max(1 - a, 0.1) ** focus``
-    every step, ``a`` being the moving average of its recent training accuracy
-    (`flowloop.trainer.category_focus`), so samples go where the policy still fails and return to a
-    category that starts failing again. 0 (off) keeps the draw fixed. On the shapes world it did
-    not beat equal categories (focus 1: 65.4% over seeds 0-3 against 65.6%; counting still fell,
-    `benchmarks/results/recipe_sweep_h200_round12.txt`), so the default recipe leaves it off."""
 
 
 @dataclass
@@ -207,34 +199,9 @@ class TrainConfig:
                              "set actor.lr_schedule=linear or cosine")
         if self.trainer.resume not in RESUME_MODES and "/" not in self.trainer.resume:
             raise ValueError(f"trainer.resume must be one of {list(RESUME_MODES)} or a checkpoint path, got {self.trainer.resume!r}")
-        from flowloop.tasks.shapes import SPLITS
         from flowloop.trainer.advantages import ADVANTAGES
 
         _choice("advantage.estimator", self.advantage.estimator, sorted(ADVANTAGES))
-        _choice("data.train_split", self.data.train_split, SPLITS)
-        _choice("data.val_split", self.data.val_split, SPLITS)
-        _choice("data.prompt_sampling", self.data.prompt_sampling, PROMPT_SAMPLING)
-        if self.data.prompt_file is not None and self.data.prompt_sampling != "uniform":
-            raise ValueError(f"data.prompt_sampling={self.data.prompt_sampling!r} needs the shapes world's categories; "
-                             "use data.prompt_sampling=uniform with data.prompt_file")
-        if self.data.category_weights is not None:
-            from flowloop.tasks.shapes import CATEGORIES
-
-            weights = dict(self.data.category_weights)
-            if self.data.prompt_sampling != "category_balanced":
-                raise ValueError("data.category_weights needs data.prompt_sampling=category_balanced")
-            for key in weights:
-                _choice("data.category_weights key", key, CATEGORIES)
-            if any(w < 0 for w in weights.values()) or sum(weights.get(c, 1.0) for c in CATEGORIES) <= 0:
-                raise ValueError(f"data.category_weights must be >= 0 with at least one category above 0, got {weights}")
-        if self.data.extra_prompts_per_step < 0:
-            raise ValueError(f"data.extra_prompts_per_step must be >= 0 (0 turns it off), got {self.data.extra_prompts_per_step}")
-        if self.data.category_focus < 0:
-            raise ValueError(f"data.category_focus must be >= 0 (0 turns it off), got {self.data.category_focus}")
-        if self.data.category_focus > 0 and self.data.prompt_sampling != "category_balanced":
-            raise ValueError("data.category_focus needs data.prompt_sampling=category_balanced")
-        if self.data.val_prompt_file is not None and self.data.prompt_file is None:
-            raise ValueError("data.val_prompt_file needs data.prompt_file (the shapes world has its own held-out split)")
         positive = {
             "data.prompts_per_step": self.data.prompts_per_step, "actor.micro_batch_size": self.actor.micro_batch_size,
             "actor.mini_batch_size": self.actor.mini_batch_size, "actor.inner_epochs": self.actor.inner_epochs,

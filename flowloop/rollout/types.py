@@ -49,7 +49,7 @@ class SamplingParams:
     """Seeds the request's own torch.Generator (window start, initial and step noise); None = random."""
     noise_seed: int | None = None
     """Seeds the initial noise alone, so requests with one ``noise_seed`` start from the same
-    latent (a GRPO group with ``rollout.shared_initial_noise``); None = drawn from ``seed``'s generator."""
+    latent; None = drawn from ``seed``'s generator."""
     global_steps: int | None = None
     """Trainer step that asked for this sample (for logging only)."""
     weight_version: int | None = None

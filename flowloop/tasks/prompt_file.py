@@ -1,4 +1,8 @@
-"""Prompt files for models beyond the shapes world: what `data.prompt_file` points at.
+"""The prompt-file task: train on a file's prompts with any reward, validate by that reward.
+
+`data.prompt_file` names the training prompts; validation samples `data.val_prompt_file`, or the
+first ``data.val_train_prompts`` training prompts, and reports the run's reward on them
+(``val/reward``, plus the mean of each numeric extra the reward returns).
 
 Two formats, chosen by the suffix: ``.txt`` (one prompt per line; blank lines and lines starting
 with ``#`` are skipped) and ``.jsonl`` (one object per line with a ``prompt`` string; other
@@ -12,7 +16,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
+from flowloop.tasks.base import Grid, draw_uniform, register_task, reward_extra_means, step_rng
+
 SUFFIXES = (".txt", ".jsonl")
+GRID_ROWS = 32
+"""Validation samples shown in the grid, one per row."""
 
 
 def load_prompt_file(path: str | Path, key: str = "data.prompt_file") -> list[dict]:
@@ -40,3 +50,48 @@ def load_prompt_file(path: str | Path, key: str = "data.prompt_file") -> list[di
     if not rows:
         raise ValueError(f"{key}={path}: the file holds no prompts")
     return rows
+
+
+class PromptFileTask:
+    """Rows of a prompt file, drawn uniformly; validation is the mean reward of fixed rows."""
+
+    val_metric = "val/reward"
+
+    def __init__(self, train_rows: list[dict], val_rows: list[dict]):
+        self.rows = train_rows
+        self._val_rows = val_rows
+
+    @classmethod
+    def from_config(cls, cfg) -> PromptFileTask:
+        data = cfg.data
+        if data.prompt_file is None:
+            raise ValueError("data.task=prompt_file needs data.prompt_file (a .txt or .jsonl file of prompts)")
+        if data.prompt_sampling != "uniform":
+            raise ValueError(f"data.prompt_sampling={data.prompt_sampling!r} needs the shapes world's categories; "
+                             "use data.prompt_sampling=uniform with data.prompt_file")
+        if data.val_train_prompts < 1:
+            raise ValueError(f"data.val_train_prompts must be >= 1, got {data.val_train_prompts}")
+        train = load_prompt_file(data.prompt_file)
+        val = (load_prompt_file(data.val_prompt_file, "data.val_prompt_file") if data.val_prompt_file
+               else train[: data.val_train_prompts])
+        return cls(train, val)
+
+    def train_rows(self, seed: int, step: int, count: int) -> list[dict]:
+        return draw_uniform(self.rows, step_rng(seed, step), count)
+
+    def val_rows(self) -> list[dict]:
+        return list(self._val_rows)
+
+    def evaluate(self, images: np.ndarray, rows: list[dict]) -> tuple[dict[str, float], Grid]:
+        """``val/reward``: the mean of the rows' ``reward`` (failed ones left out), and
+        ``val/reward/<key>`` for the reward's numeric extras."""
+        if any("reward" not in row for row in rows):
+            raise ValueError("the prompt-file task validates by the run's reward: every row needs a 'reward' "
+                             "(set rollout.reward.name, or --reward for flowloop eval)")
+        scores = np.array([row["reward"] for row in rows], dtype=np.float32)  # [V]
+        metrics = {"val/reward": float(np.nanmean(scores)), **{f"val/{k}": v for k, v in reward_extra_means(rows).items()}}
+        shown = min(len(rows), GRID_ROWS)
+        return metrics, Grid(images[:shown], [row["raw_prompt"] for row in rows[:shown]], per_row=1)
+
+
+register_task("prompt_file")(PromptFileTask.from_config)

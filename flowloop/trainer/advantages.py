@@ -41,7 +41,6 @@ __all__ = [
     "PerPromptStatTracker",
     "compute_advantages",
     "group_stats",
-    "groups_with_most_spread",
     "register_advantage",
 ]
 
@@ -107,14 +106,6 @@ def group_stats(rewards: torch.Tensor, uids: Sequence | np.ndarray) -> Groups:
     high = torch.full_like(mean, -torch.inf).scatter_reduce(0, index, r, "amax")
     low = torch.full_like(mean, torch.inf).scatter_reduce(0, index, r, "amin")
     return Groups(index, count, mean, std, high == low)
-
-
-def groups_with_most_spread(groups: Groups, count: int) -> list[int]:
-    """Rows of the ``count`` groups (`group_stats`) whose rewards have the largest std, in their
-    original order; ties go to the group that appears first, so the choice depends on the rewards alone."""
-    spread = groups.std.tolist()
-    chosen = set(sorted(range(len(spread)), key=lambda g: -spread[g])[:count])
-    return [row for row, g in enumerate(groups.index.tolist()) if g in chosen]
 
 
 def compute_advantages(

@@ -133,12 +133,11 @@ class RLRecipe:
         # 1. Prompts of this step, each repeated rollout.n times under one uid.
         batch = self.make_batch(step)
         # 2. Generate and score (the reward streams while other rows still sample).
-        sampled = self.manager.generate_sequences(batch)
+        out = self.manager.generate_sequences(batch)
         generated = time.perf_counter()
-        sampled_rewards = sampled["rm_scores"][:, 0]  # [B]
+        rewards = out["rm_scores"][:, 0]  # [B]
         # 3. Advantages over each uid's group.
-        out, rewards, metrics = sampled, sampled_rewards, {}
-        options = {}
+        metrics, options = {}, {}
         if self.tracker is not None:
             options = {"tracker": self.tracker, "prompts": list(out["raw_prompt"])}
         result = compute_advantages(self.cfg.advantage.estimator, rewards, out["uid"],
@@ -151,13 +150,13 @@ class RLRecipe:
                 metrics["actor/skipped_nonfinite"] = 1.0
         end = time.perf_counter()
         metrics.update({
-            **reward_extra_means(sampled),
-            **category_reward_means(sampled, sampled_rewards),
-            "reward/mean": float(sampled_rewards.mean()), "reward/std": float(sampled_rewards.std(unbiased=False)),
+            **reward_extra_means(out),
+            **category_reward_means(out, rewards),
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
             "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
-            "throughput/samples_per_s": len(sampled) / (end - start),
-            **{f"time/{k}": v for k, v in sampled.meta_info.get("timing", {}).items()},
+            "throughput/samples_per_s": len(out) / (end - start),
+            **{f"time/{k}": v for k, v in out.meta_info.get("timing", {}).items()},
         })
         return metrics
 

@@ -66,28 +66,6 @@ def test_a_rows_sample_does_not_depend_on_the_worker_split(model):
     torch.testing.assert_close(alone["responses"], one["responses"][5:8], atol=1e-6, rtol=0)
 
 
-def test_shared_initial_noise_gives_a_group_one_start_and_its_own_steps(model):
-    batch = prompt_batch(3)
-    uids = list(batch["uid"])
-    shared = generate(small_config(shared_initial_noise=True), model, batch)
-    apart = generate(small_config(), model, batch)
-    for uid in sorted(set(uids)):
-        rows = [i for i, u in enumerate(uids) if u == uid]
-        starts = shared["all_latents"][rows, 0]
-        assert all(torch.equal(starts[0], s) for s in starts[1:]), uid
-        assert not torch.equal(shared["responses"][rows[0]], shared["responses"][rows[1]]), "SDE noise must stay per row"
-        assert not torch.equal(apart["all_latents"][rows[0], 0], apart["all_latents"][rows[1], 0])
-    assert not torch.equal(shared["all_latents"][0, 0], shared["all_latents"][uids.index("p1"), 0])
-    # Validation keeps its fixed per-row seeds: the same samples with the option on or off.
-    val = prompt_batch(2, validate=True)
-    on = generate(small_config(shared_initial_noise=True), model, val)
-    off = generate(small_config(), model, val)
-    assert torch.equal(on["responses"], off["responses"])
-    del batch.non_tensors["uid"]
-    with pytest.raises(ValueError, match="shared_initial_noise=true needs a 'uid'"):
-        generate(small_config(shared_initial_noise=True), model, batch)
-
-
 def test_training_batch_needs_its_step(model):
     batch = prompt_batch(1)
     del batch.meta_info["global_steps"]

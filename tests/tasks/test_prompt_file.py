@@ -1,11 +1,11 @@
-"""Training from a prompt file (real models' path): formats, errors, validation by reward."""
+"""The prompt-file task (real models' path): formats, errors, draws, validation by reward."""
 
 import json
 
 import pytest
 
-from flowloop.trainer.prompt_data import load_prompt_file
-from flowloop.trainer.recipe import FlowGRPORecipe, run
+from flowloop.tasks import PromptFileTask, build_task, load_prompt_file
+from flowloop.trainer.recipe import RLRecipe, run
 from tests.trainer.test_recipe import metrics, tiny_config
 
 
@@ -35,16 +35,16 @@ def test_bad_files_name_the_file_and_line(tmp_path):
 def test_config_errors(tiny_model_dir, tmp_path):
     (tmp_path / "p.txt").write_text("a red circle\n")
     with pytest.raises(ValueError, match=r"data.prompt_sampling='category_balanced' needs the shapes world"):
-        FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, f"data.prompt_file={tmp_path / 'p.txt'}",
+        RLRecipe(tiny_config(tiny_model_dir, tmp_path, f"data.prompt_file={tmp_path / 'p.txt'}",
                                    "data.prompt_sampling=category_balanced"))
     with pytest.raises(ValueError, match=r"data.val_prompt_file needs data.prompt_file"):
-        FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, f"data.val_prompt_file={tmp_path / 'p.txt'}"))
+        RLRecipe(tiny_config(tiny_model_dir, tmp_path, f"data.val_prompt_file={tmp_path / 'p.txt'}"))
 
 
 def test_batches_carry_file_fields_and_the_negative_prompt(tiny_model_dir, tmp_path):
     rows = [{"prompt": p, "tag": i} for i, p in enumerate(["a red circle", "two blue squares", "a green triangle"])]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, f"data.prompt_file={tmp_path / 'p.jsonl'}",
+    recipe = RLRecipe(tiny_config(tiny_model_dir, tmp_path, f"data.prompt_file={tmp_path / 'p.jsonl'}",
                                         "data.negative_prompt=blurry"))
     batch = recipe.make_batch(1)
     assert len(batch) == 2 * 4  # prompts_per_step x n
@@ -65,3 +65,26 @@ def test_train_from_a_prompt_file_validates_by_reward(tiny_model_dir, tmp_path):
     assert summary["after"] == rows[-1]["val/reward"] != summary["before"]  # the weights moved
     assert "val/accuracy" not in rows[0] and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
     assert all(r["rollout_correction/max"] <= 1e-6 for r in rows[1:])  # CFG with the negative prompt replays exactly
+
+
+def test_validation_takes_the_first_train_prompts_under_its_own_key(tiny_model_dir, tmp_path):
+    (tmp_path / "p.txt").write_text("".join(f"{c} circle\n" for c in ("a red", "a blue", "a green", "two red", "a pink")))
+    cfg = tiny_config(tiny_model_dir, tmp_path, f"data.prompt_file={tmp_path / 'p.txt'}", "data.val_train_prompts=3",
+                      "trainer.val_samples_per_category=1")
+    task = build_task(cfg)
+    assert isinstance(task, PromptFileTask) and task.val_metric == "val/reward"
+    assert [r["raw_prompt"] for r in task.val_rows()] == ["a red circle", "a blue circle", "a green circle"]
+    assert task.train_rows(0, 5, 4) == task.train_rows(0, 5, 4) != task.train_rows(0, 6, 4)
+
+
+def test_evaluate_averages_the_reward_and_its_numeric_extras():
+    import numpy as np
+
+    rows = [{"raw_prompt": f"p{i}", "reward": r, "reward_extra": {"kb": kb, "note": "x"}}
+            for i, (r, kb) in enumerate([(0.5, 1.0), (float("nan"), 3.0), (1.0, None)])]
+    task = PromptFileTask(rows, rows)
+    metrics, grid = task.evaluate(np.zeros((3, 8, 8, 3), dtype=np.uint8), rows)
+    assert metrics == {"val/reward": 0.75, "val/reward/kb": 2.0}
+    assert grid.images.shape == (3, 8, 8, 3) and grid.captions == ["p0", "p1", "p2"] and grid.per_row == 1
+    with pytest.raises(ValueError, match="every row needs a 'reward'"):
+        task.evaluate(np.zeros((1, 8, 8, 3), dtype=np.uint8), [{"raw_prompt": "p"}])

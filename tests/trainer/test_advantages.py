@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowloop.trainer.advantages import ADVANTAGES, PerPromptStatTracker, compute_advantages, group_stats, groups_with_most_spread, register_advantage
+from flowloop.trainer.advantages import ADVANTAGES, PerPromptStatTracker, compute_advantages, register_advantage
 
 # Two groups, interleaved so that grouping must follow the uid, not the position.
 # a: rewards {1, 3}     mean 2, population std 1           (unbiased std would be sqrt(2))
@@ -122,12 +122,3 @@ def test_bad_rewards_are_rejected():
         compute_advantages("grpo", torch.ones(2, 1), ["a", "b"])
     with pytest.raises(ValueError, match="min_count"):
         PerPromptStatTracker(buffer_size=4, min_count=8)
-
-
-def test_groups_with_most_spread_keeps_the_widest_groups_in_row_order():
-    rewards = torch.tensor([0.5, 0.5, 0.0, 1.0, 0.2, 0.4, 0.9, 0.9])
-    uids = ["flat", "flat", "wide", "wide", "narrow", "narrow", "flat2", "flat2"]
-    groups = group_stats(rewards, uids)
-    assert groups_with_most_spread(groups, 2) == [2, 3, 4, 5]
-    assert groups_with_most_spread(groups, 3) == [0, 1, 2, 3, 4, 5]  # a tie goes to the first group
-    assert groups_with_most_spread(groups, 9) == list(range(8))

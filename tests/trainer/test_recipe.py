@@ -1,4 +1,4 @@
-"""The FlowGRPO recipe end to end on a tiny random model: exact replay, exact resume, run folders."""
+"""The RL recipe end to end on a tiny random model: exact replay, exact resume, run folders."""
 
 import json
 import shutil
@@ -11,7 +11,7 @@ from flowloop.config import load_config
 from flowloop.config.train import TrainConfig
 from flowloop.reward.registry import register_reward
 from flowloop.tasks import shapes
-from flowloop.trainer.recipe import FlowGRPORecipe, run
+from flowloop.trainer.recipe import RLRecipe, run
 
 
 @register_reward("test_brightness")
@@ -122,9 +122,9 @@ def test_resume_after_a_crash_is_exact_with_a_decaying_lr(tiny_model_dir, tmp_pa
 
 
 def test_a_new_run_never_overwrites_another(tiny_model_dir, tmp_path):
-    first = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1"), log=lambda _: None)
+    first = RLRecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1"), log=lambda _: None)
     first.setup()
-    second = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1"), log=lambda _: None)
+    second = RLRecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1"), log=lambda _: None)
     second.setup()
     try:
         assert first.run_dir.name == "shapes" and second.run_dir.name == "shapes-1"
@@ -170,7 +170,7 @@ def test_lora_trains_adapters_only(tiny_model_dir, tmp_path):
 
 
 def test_lora_adapters_train_in_float32_on_a_bf16_model(tiny_model_dir, tmp_path):
-    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "actor.finetune=lora",
+    recipe = RLRecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "actor.finetune=lora",
                                         "actor.lora_rank=4", "model.dtype=bfloat16", "trainer.val_every=10"),
                             log=lambda _: None)
     recipe.setup()
@@ -190,7 +190,7 @@ def test_lora_adapters_train_in_float32_on_a_bf16_model(tiny_model_dir, tmp_path
 
 @pytest.mark.parametrize("finetune,warned", [("full", True), ("lora", False)])
 def test_training_bf16_weights_warns(tiny_model_dir, tmp_path, caplog, finetune, warned):
-    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, f"actor.finetune={finetune}", "model.dtype=bfloat16"),
+    recipe = RLRecipe(tiny_config(tiny_model_dir, tmp_path, f"actor.finetune={finetune}", "model.dtype=bfloat16"),
                             log=lambda _: None)
     with caplog.at_level("WARNING", logger="flowloop.trainer.actor"):
         recipe.setup()
@@ -199,7 +199,7 @@ def test_training_bf16_weights_warns(tiny_model_dir, tmp_path, caplog, finetune,
 
 
 def test_lora_target_matching_nothing_is_an_error(tiny_model_dir, tmp_path):
-    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "actor.finetune=lora", "actor.lora_target_modules=[to_q]"),
+    recipe = RLRecipe(tiny_config(tiny_model_dir, tmp_path, "actor.finetune=lora", "actor.lora_target_modules=[to_q]"),
                             log=lambda _: None)
     with pytest.raises(ValueError, match=r"match no linear layer of TinyDiT; its linear layers end in \[.*'qkv'"):
         recipe.setup()
@@ -207,7 +207,7 @@ def test_lora_target_matching_nothing_is_an_error(tiny_model_dir, tmp_path):
 
 
 def test_category_balanced_prompts_cover_every_category(tiny_model_dir, tmp_path):
-    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, "data.prompt_sampling=category_balanced",
+    recipe = RLRecipe(tiny_config(tiny_model_dir, tmp_path, "data.prompt_sampling=category_balanced",
                                         "data.prompts_per_step=60"), log=lambda _: None)
     batch = recipe.make_batch(step=3)
     categories = [shapes.category_of(shapes.parse_prompt(p)) for p in batch["raw_prompt"][::4]]
@@ -219,7 +219,7 @@ def test_category_balanced_prompts_cover_every_category(tiny_model_dir, tmp_path
 
 def test_category_weights_shift_the_draw_and_bad_weights_name_the_key(tiny_model_dir, tmp_path):
     balanced = ("data.prompt_sampling=category_balanced", "data.prompts_per_step=600")
-    recipe = FlowGRPORecipe(tiny_config(tiny_model_dir, tmp_path, *balanced,
+    recipe = RLRecipe(tiny_config(tiny_model_dir, tmp_path, *balanced,
                                         "data.category_weights={color_attr: 4, single_object: 0}"), log=lambda _: None)
     categories = list(recipe.make_batch(step=0)["category"][::4])
     share = {c: categories.count(c) / len(categories) for c in shapes.CATEGORIES}
@@ -228,9 +228,9 @@ def test_category_weights_shift_the_draw_and_bad_weights_name_the_key(tiny_model
     for weights, message in [("{colour_attr: 2}", "data.category_weights key must be one of ['single_object'"),
                              ("{color_attr: -1}", "data.category_weights must be >= 0")]:
         with pytest.raises(ValueError, match=message.replace("[", r"\[")):
-            tiny_config(tiny_model_dir, tmp_path, *balanced, f"data.category_weights={weights}")
+            RLRecipe(tiny_config(tiny_model_dir, tmp_path, *balanced, f"data.category_weights={weights}"))
     with pytest.raises(ValueError, match="data.category_weights needs data.prompt_sampling=category_balanced"):
-        tiny_config(tiny_model_dir, tmp_path, "data.category_weights={color_attr: 2}")
+        RLRecipe(tiny_config(tiny_model_dir, tmp_path, "data.category_weights={color_attr: 2}"))
 
 
 def test_eval_of_a_trained_checkpoint(tiny_model_dir, tmp_path):
@@ -256,31 +256,3 @@ def test_ema_follows_the_weights_at_decay_0_and_stays_at_the_base_at_1(tiny_mode
     assert loaded.extra["ema"].keys() == base.keys()
     assert all(torch.equal(loaded.extra["ema"][k], reference[k]) for k in base)
     assert any(not torch.equal(loaded.model_state[k], base[k]) for k in base)
-
-
-def test_category_focus_moves_the_draw_and_resumes_exactly(tiny_model_dir, tmp_path):
-    args = ("trainer.total_steps=4", "data.prompt_sampling=category_balanced", "data.category_focus=2")
-    run(tiny_config(tiny_model_dir, tmp_path / "straight", *args), log=lambda _: None)
-    run(tiny_config(tiny_model_dir, tmp_path / "split", *args[1:], "trainer.total_steps=2"), log=lambda _: None)
-    run(tiny_config(tiny_model_dir, tmp_path / "split", *args, "trainer.resume=auto"), log=lambda _: None)
-    rows = [r for r in metrics(tmp_path / "straight" / "shapes") if "reward/mean" in r]
-    probs = [[r[f"data/category_prob/{c}"] for c in shapes.CATEGORIES] for r in rows]
-    assert probs[0] == pytest.approx([1 / 6] * 6) and sum(probs[-1]) == pytest.approx(1.0)
-    assert probs[-1] != pytest.approx(probs[0])  # the categories seen so far were re-weighted
-    assert metrics(tmp_path / "straight" / "shapes") == metrics(tmp_path / "split" / "shapes")
-    straight = load_file(tmp_path / "straight" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
-    resumed = load_file(tmp_path / "split" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    for override, message in [("data.category_focus=-1", "data.category_focus must be >= 0"),
-                              ("data.prompt_sampling=uniform", "data.category_focus needs data.prompt_sampling=category_balanced")]:
-        with pytest.raises(ValueError, match=message):
-            tiny_config(tiny_model_dir, tmp_path, *args, override)
-
-
-def test_extra_prompts_train_the_groups_whose_rewards_spread_most(tiny_model_dir, tmp_path):
-    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "data.extra_prompts_per_step=2"), log=lambda _: None)
-    [row] = [r for r in metrics(tmp_path / "shapes") if "reward/mean" in r]
-    assert row["advantage/num_groups"] == 2  # 4 prompts sampled, the 2 most spread trained
-    assert 0.0 <= row["data/sampled_zero_std_group_frac"] <= 1.0 and row["advantage/zero_std_group_frac"] <= row["data/sampled_zero_std_group_frac"] + 1e-9
-    with pytest.raises(ValueError, match="data.extra_prompts_per_step must be >= 0"):
-        tiny_config(tiny_model_dir, tmp_path, "data.extra_prompts_per_step=-1")

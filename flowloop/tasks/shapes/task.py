@@ -1,0 +1,159 @@
+"""The shapes world as a task: train prompts from the train split, accuracy on the held-out one.
+
+Validation is GenEval-style: a sample is `correct` when every constraint its prompt states holds
+in the image (read back by `verify`), `score` is the fraction of constraints met, and accuracy
+is the mean over the six categories, so the 135 colour-attribution prompts do not drown the
+single-object ones. The verifier measures accuracy whatever reward the run trains on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowloop.tasks.base import Grid, draw_uniform, register_task, step_rng
+
+from .prompts import CATEGORIES, SPLITS, category_of, parse_prompt, split_prompts
+from .verify import verify
+
+PROMPT_SAMPLING = ("uniform", "category_balanced")
+GRID_ROWS_PER_CATEGORY = 8
+"""Validation samples per category shown in the grid."""
+GRID_COLUMNS = 4
+"""Seeds per held-out prompt in validation: one grid row."""
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    score: float
+    per_category: dict[str, dict[str, float]]
+    n: int
+
+    def as_dict(self) -> dict:
+        return {"accuracy": self.accuracy, "score": self.score, "per_category": self.per_category, "n": self.n}
+
+
+def summarize(correct: list[bool], scores: list[float], categories: list[str]) -> EvalResult:
+    """Aggregate per-sample verdicts overall and per category (overall: the mean over categories)."""
+    by_category = defaultdict(list)
+    for ok, score, category in zip(correct, scores, categories):
+        by_category[category].append((bool(ok), float(score)))
+    per_category = {
+        name: {
+            "accuracy": float(np.mean([ok for ok, _ in rows])),
+            "score": float(np.mean([score for _, score in rows])),
+            "n": len(rows),
+        }
+        for name, rows in sorted(by_category.items())
+    }
+    return EvalResult(
+        accuracy=float(np.mean([row["accuracy"] for row in per_category.values()])),
+        score=float(np.mean([row["score"] for row in per_category.values()])),
+        per_category=per_category,
+        n=len(correct),
+    )
+
+
+def score_images(images: np.ndarray, prompts: list[str], categories: list[str]) -> tuple[EvalResult, list]:
+    """Run the verifier on each uint8 ``[H, W, 3]`` image and aggregate overall and per category."""
+    verdicts = [verify(image, prompt) for image, prompt in zip(images, prompts)]
+    return summarize([v.correct for v in verdicts], [v.score for v in verdicts], categories), verdicts
+
+
+def eval_plan(split: str, samples_per_prompt: int, seed: int = 0) -> tuple[list[str], list[str], list[int]]:
+    """Every prompt of ``split`` repeated ``samples_per_prompt`` times, with its category and fixed seed."""
+    prompts, categories, seeds = [], [], []
+    for category in CATEGORIES:
+        for prompt in split_prompts(split, category):
+            for k in range(samples_per_prompt):
+                prompts.append(prompt)
+                categories.append(category)
+                seeds.append(seed + k)
+    return prompts, categories, seeds
+
+
+class ShapesTask:
+    """Train rows from ``train_split`` (uniform, or a category first and then one of its prompts);
+    validation: ``val_per_category`` samples per category from ``val_split``, ``GRID_COLUMNS``
+    seeds per prompt in turn, scored by the verifier."""
+
+    val_metric = "val/accuracy"
+
+    def __init__(self, train_split: str = "train", val_split: str = "heldout", prompt_sampling: str = "uniform",
+                 category_weights: dict[str, float] | None = None, val_per_category: int = 32):
+        for key, value, allowed in [("data.train_split", train_split, SPLITS), ("data.val_split", val_split, SPLITS),
+                                    ("data.prompt_sampling", prompt_sampling, PROMPT_SAMPLING)]:
+            if value not in allowed:
+                raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}")
+        if val_per_category < 1:
+            raise ValueError(f"trainer.val_samples_per_category must be > 0, got {val_per_category}")
+        self.rows = [{"raw_prompt": p, "category": category_of(parse_prompt(p))} for p in split_prompts(train_split)]
+        self.rows_by_category = [[row for row in self.rows if row["category"] == c] for c in CATEGORIES]
+        self.prompt_sampling = prompt_sampling
+        self.category_probs = _category_probs(category_weights, prompt_sampling)
+        """Draw probabilities of ``CATEGORIES`` under ``data.category_weights``; None: uniform."""
+        self.val_split = val_split
+        self.val_per_category = val_per_category
+
+    @classmethod
+    def from_config(cls, cfg) -> ShapesTask:
+        data = cfg.data
+        if data.val_prompt_file is not None:
+            raise ValueError("data.val_prompt_file needs data.prompt_file (the shapes world has its own held-out split)")
+        return cls(data.train_split, data.val_split, data.prompt_sampling, data.category_weights,
+                   cfg.trainer.val_samples_per_category)
+
+    def train_rows(self, seed: int, step: int, count: int) -> list[dict]:
+        rng = step_rng(seed, step)
+        if self.prompt_sampling == "uniform":
+            return draw_uniform(self.rows, rng, count)
+        pools, probs = self.rows_by_category, self.category_probs
+        chosen = []
+        for _ in range(count):  # category, then prompt, interleaved: the draw order resume relies on
+            pool = pools[rng.integers(len(pools)) if probs is None else rng.choice(len(pools), p=probs)]
+            chosen.append(pool[rng.integers(len(pool))])
+        return chosen
+
+    def val_rows(self) -> list[dict]:
+        k = self.val_per_category
+        rows = []
+        for category in CATEGORIES:
+            pool = split_prompts(self.val_split, category)
+            rows += [{"raw_prompt": pool[(i // GRID_COLUMNS) % len(pool)], "category": category} for i in range(k)]
+        return rows
+
+    def evaluate(self, images: np.ndarray, rows: list[dict]) -> tuple[dict[str, float], Grid]:
+        """``val/accuracy``, ``val/score`` and ``val/<category>/accuracy`` from the verifier; the
+        grid shows the first ``GRID_ROWS_PER_CATEGORY`` samples of each category."""
+        prompts = [row["raw_prompt"] for row in rows]
+        categories = [row.get("category") or category_of(parse_prompt(p)) for row, p in zip(rows, prompts)]
+        result, _ = score_images(images, prompts, categories)
+        metrics = {"val/accuracy": result.accuracy, "val/score": result.score}
+        metrics.update({f"val/{name}/accuracy": row["accuracy"] for name, row in result.per_category.items()})
+        starts = {}
+        for i, category in enumerate(categories):
+            starts.setdefault(category, []).append(i)
+        picked = [i for indices in starts.values() for i in indices[:GRID_ROWS_PER_CATEGORY]]
+        return metrics, Grid(images[picked], [prompts[i] for i in picked], per_row=GRID_COLUMNS)
+
+
+def _category_probs(weights: dict[str, float] | None, prompt_sampling: str) -> np.ndarray | None:
+    """``data.category_weights`` as draw probabilities over ``CATEGORIES`` (unnamed ones weigh 1)."""
+    if weights is None:
+        return None
+    weights = dict(weights)
+    if prompt_sampling != "category_balanced":
+        raise ValueError("data.category_weights needs data.prompt_sampling=category_balanced")
+    for key in weights:
+        if key not in CATEGORIES:
+            raise ValueError(f"data.category_weights key must be one of {list(CATEGORIES)}, got {key!r}")
+    if any(w < 0 for w in weights.values()) or sum(weights.get(c, 1.0) for c in CATEGORIES) <= 0:
+        raise ValueError(f"data.category_weights must be >= 0 with at least one category above 0, got {weights}")
+    probs = np.array([float(weights.get(c, 1.0)) for c in CATEGORIES])
+    return probs / probs.sum()
+
+
+register_task("shapes")(ShapesTask.from_config)
