@@ -370,9 +370,12 @@ def sampling_params(recipe: dict, args, video: bool):
 
 def actor_config(recipe: dict, n: int, micro_batch: int):
     """The recipe's actor settings (LoRA rank, targets, lr, KL, clip), one optimizer step over ``n`` rows."""
-    from flowloop.config.train import ActorConfig
+    from omegaconf import OmegaConf
 
-    return ActorConfig(**{**recipe["actor"], "micro_batch_size": micro_batch, "mini_batch_size": n})
+    from flowloop.config.actor import ActorConfig
+
+    values = {**recipe["actor"], "micro_batch_size": micro_batch, "mini_batch_size": n}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ActorConfig), values))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,15 +1,14 @@
-"""The FlowGRPO actor: replay stored trajectories, clipped policy-gradient loss, optional KL.
+"""The actor: one optimizer loop that trains whichever objective ``actor.objective`` names.
 
-For each micro-batch and each trained step of the SDE window, the actor recomputes the velocity
-at the stored latent with the current weights, re-runs the same sampler step with
-``prev_sample`` = the stored next latent, and gets that step's log-prob and mean. The velocity
-comes from `flowloop.rollout.engine.guided_velocity`, the function the rollout sampled with,
-so with unchanged weights the replay reproduces the rollout's log-prob (the rollout-correction
-metric measures how closely).
-
-With ``actor.objective=nft`` the same loop trains DiffusionNFT instead: each "trained step" is a
-noise level drawn per row, where the current and the sampling weights' velocities at the
-re-noised clean sample enter `flowloop.trainer.losses.nft_loss`.
+`Actor.update` moves the rollout columns the objective reads to the device, lets it draw what
+it needs for this update (`Objective.prepare`), then runs ``inner_epochs`` shuffled passes of
+micro-batches; each micro-batch gives one loss term per trained step or noise level, gradients
+accumulate over ``mini_batch_size`` rows, and each optimizer step clips the gradient norm and
+updates the EMA and the lr schedule. A step whose loss or gradient norm is not finite is skipped
+before it touches the weights. The objectives (`flowloop.trainer.objectives`) own the loss; the
+actor owns the weights: the trainable module, the frozen reference for KL, LoRA and the
+velocity every objective replays with (`flowloop.rollout.engine.guided_velocity`, the function
+the rollout sampled with).
 """
 
 from __future__ import annotations
@@ -21,30 +20,29 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from flowloop.config.train import ActorConfig
+from flowloop.config.actor import ActorConfig
 from flowloop.models.base import is_embedding_key
 from flowloop.protocol import Batch
 from flowloop.rollout.engine import guided_velocity
 from flowloop.rollout.types import SamplingParams
-from flowloop.sampling import get_step
 from flowloop.trainer.lora import adapters_disabled, add_lora
-from flowloop.trainer.losses import flow_grpo_loss, kl_loss, nft_loss, noised
+from flowloop.trainer.objectives import get_objective
 
 logger = logging.getLogger(__name__)
 
 
 class Actor:
-    """Owns the trainable denoiser's optimizer and the frozen reference; `update` is one RL update."""
+    """Owns the trainable denoiser's optimizer, the frozen reference and the objective; `update`
+    is one RL update."""
 
-    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, seed: int = 0,
-                 total_optimizer_steps: int | None = None):
+    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, total_optimizer_steps: int | None = None):
         """``total_optimizer_steps``: the run's planned optimizer steps, which a decaying
-        ``config.lr_schedule`` needs (`optimizer_steps_per_batch` x RL steps)."""
+        ``config.lr_schedule`` needs (`optimizer_steps_per_batch` x RL steps). LoRA adapters are
+        initialised from torch's global generator: seed it before for a reproducible run."""
         self.model = model
         self.config = config
         self.sampling = sampling
-        self.step_fn = get_step(sampling.sampler)
-        self.step_kwargs = {"logprob_mode": sampling.logprob_mode} if sampling.sampler == "cps" else {}
+        self.objective = get_objective(config.objective)(config, sampling)
         self.module = model.trainable_module()
         self.reference = None
         if config.finetune == "lora":
@@ -60,7 +58,6 @@ class Actor:
         self.ema = None
         if config.ema_decay is not None:
             self.ema = {name: p.detach().clone() for name, p in self.module.named_parameters() if p.requires_grad}
-        torch.manual_seed(seed)
         self.optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config, total_optimizer_steps))
 
@@ -86,7 +83,6 @@ class Actor:
                 for name, value in live.items():
                     params[name].copy_(value)
 
-    # -- replay -------------------------------------------------------------------------
     def velocity(self, rows: dict[str, torch.Tensor], x: torch.Tensor, t: torch.Tensor,
                  reference: bool = False) -> torch.Tensor:
         """The (guided) velocity at ``x [b, ...]``, ``t [b]`` for ``rows``' prompts, with the
@@ -101,165 +97,113 @@ class Actor:
         with context:
             return guided_velocity(model, x, t, embeds, self.sampling.guidance_scale)
 
-    def replay(self, rows: dict[str, torch.Tensor], j: int, reference: bool = False):
-        """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
-        x = rows["all_latents"][:, j]  # [b, C, H, W]
-        t, t_next = rows["all_timesteps"][:, j], rows["all_next_timesteps"][:, j]  # [b]
-        v = self.velocity(rows, x, t, reference)
-        return self.step_fn(v, t, t_next, x, noise_level=self.sampling.noise_level,
-                            prev_sample=rows["all_latents"][:, j + 1], **self.step_kwargs)
-
     # -- update -------------------------------------------------------------------------
     def update(self, batch: Batch, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
-        """One RL update on ``batch`` (rows with ``all_latents`` etc.), ``advantages`` ``[B]``."""
+        """One RL update on ``batch`` (rows with the objective's rollout columns), ``advantages`` ``[B]``."""
         cfg = self.config
+        objective = self.objective
         device = next(self.module.parameters()).device
-        nft = cfg.objective == "nft"
         micro_per_mini = cfg.mini_batch_size // cfg.micro_batch_size
-        embed_keys = [k for k in batch.keys() if is_embedding_key(k)]
+        keys = [*objective.rollout_keys, *(k for k in batch.keys() if is_embedding_key(k))]
         advantages = advantages.to(device)
         self.module.eval()  # no dropout: replay must see the function the rollout sampled
-        if nft:
-            tensors = {k: batch[k].to(device) for k in ["final_latents", *embed_keys]}
-            tensors.update(self._nft_draws(tensors, generator))
-            trained = cfg.nft_timesteps
-        else:
-            keys = ["all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs", *embed_keys]
-            tensors = {k: batch[k].to(device) for k in keys}
-            trained = max(1, math.ceil(cfg.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
+        # 1. The rollout's columns on the device, the objective's draws, the epochs' row orders.
+        tensors = {k: batch[k].to(device) for k in keys}
+        terms = objective.prepare(tensors, generator)
         orders = [torch.randperm(len(batch), generator=generator).to(device) for _ in range(cfg.inner_epochs)]
-        old = None  # the sampling weights' velocity (NFT) or log-prob (FlowGRPO's old-log-prob pass)
-        if nft or not cfg.skip_old_logprob:
-            old = self._sampling_weights_pass(tensors, orders[0][cfg.mini_batch_size:], trained, nft)
+        # 2. The sampling weights' values for the rows the first optimizer step does not see.
+        store = None
+        if objective.needs_sampling_values:
+            store = _SamplingValues(len(batch), terms)
+            self._sampling_weights_pass(tensors, orders[0][cfg.mini_batch_size:], terms, store)
+        # 3. Micro-batches, terms, gradient accumulation, one optimizer step per mini-batch.
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
-        correction: list[torch.Tensor] = []
-        grad_norms = []
+        grad_norms, stepped, finite = [], 0, True
         for order in orders:
             micro_batches = order.split(cfg.micro_batch_size)
             for m, rows_idx in enumerate(micro_batches):
                 rows = {k: v[rows_idx] for k, v in tensors.items()}
                 adv = advantages[rows_idx]
-                fresh = not grad_norms  # no optimizer step yet: the weights are those of the rollout
-                for j in range(trained):
-                    if nft:
-                        loss, diag, kl = self._nft_term(rows, adv, j, _old_values(old, rows_idx, j, fresh))
-                    else:
-                        loss, diag, kl = self._flow_grpo_term(rows, adv, j, _old_values(old, rows_idx, j, fresh),
-                                                              correction if fresh else None)
+                fresh = stepped == 0  # no optimizer step yet: the weights are those of the rollout
+                for j in range(terms):
+                    out = objective.forward(self, rows, j)
+                    old = None if store is None else store.value(rows_idx, j, objective.sampling_value(out), fresh)
+                    loss, diag, kl = objective.loss(self, rows, adv, j, out, old, fresh)
                     if kl is not None:
                         loss = loss + cfg.kl_coef * kl
                         diag = {**diag, "kl_loss": kl.detach()}
-                    (loss / (trained * micro_per_mini)).backward()
+                    (loss / (terms * micro_per_mini)).backward()
+                    finite = finite and bool(torch.isfinite(loss.detach()))
                     _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
                 if (m + 1) % micro_per_mini == 0 or m == len(micro_batches) - 1:
-                    grad_norms.append(self._optimizer_step())
+                    norm, took = self._optimizer_step(finite)
+                    grad_norms.append(norm)
+                    stepped += took
+                    finite = True
         metrics = {f"actor/{k}": sums[k] / counts[k] for k in sums}
         metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean())
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
-        metrics["actor/optimizer_steps"] = len(grad_norms)
-        if correction:  # FlowGRPO only: DiffusionNFT replays no log-probs
-            all_correction = torch.cat(correction)
-            metrics["rollout_correction/mean"] = float(all_correction.mean())
-            metrics["rollout_correction/max"] = float(all_correction.max())
+        metrics["actor/optimizer_steps"] = stepped
+        if stepped < len(grad_norms):
+            metrics["actor/skipped_nonfinite"] = len(grad_norms) - stepped
+        metrics.update(objective.metrics())
         return metrics
 
-    def _flow_grpo_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_values,
-                        correction: list[torch.Tensor] | None):
-        """FlowGRPO's loss, its diagnostics and the transition KL to the reference (None without
-        a KL term) at window step ``j``; appends ``|logp_replay - logp_rollout|`` to ``correction``
-        when given. ``old_values`` (`_old_values`) gives logp_old; None: the rollout's own."""
-        cfg = self.config
-        out = self.replay(rows, j)
-        if correction is not None:
-            correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
-        old = rows["rollout_log_probs"][:, j] if old_values is None else old_values(out.log_prob)
-        loss, diag = flow_grpo_loss(out.log_prob, old, adv, cfg.clip_range, cfg.adv_clip_max)
-        if cfg.kl_coef == 0:
-            return loss, diag, None
-        with torch.no_grad():
-            ref = self.replay(rows, j, reference=True)
-        dt = rows["all_next_timesteps"][:, j] - rows["all_timesteps"][:, j]
-        kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None, mode=cfg.kl_mode)
-        return loss, diag, kl.mean()
-
-    # -- DiffusionNFT -------------------------------------------------------------------
-    @torch.no_grad()
-    def _nft_draws(self, tensors: dict[str, torch.Tensor], generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """Per row and trained term: a noise level ``nft_t [B, K]`` and the noised clean sample
-        ``nft_noisy [B, K, ...]``."""
-        cfg = self.config
-        sample = tensors["final_latents"]  # [B, ...]
-        rows, k = sample.shape[0], cfg.nft_timesteps
-        lo, hi = cfg.nft_time_range
-        t = (lo + (hi - lo) * torch.rand((rows, k), generator=generator)).to(sample.device)  # [B, K]
-        noise = torch.randn((rows, k, *sample.shape[1:]), generator=generator).to(sample.device)  # [B, K, ...]
-        noisy = torch.stack([noised(sample, noise[:, j], t[:, j]) for j in range(k)], dim=1)  # [B, K, ...]
-        return {"nft_t": t, "nft_noisy": noisy}
-
-    def _nft_term(self, rows: dict[str, torch.Tensor], adv: torch.Tensor, j: int, old_values):
-        """DiffusionNFT's loss, its diagnostics and the velocity KL to the reference (None without
-        a KL term) at the rows' ``j``-th noise level; ``old_values`` (`_old_values`) gives the
-        sampling weights' velocity."""
-        cfg = self.config
-        x, t = rows["nft_noisy"][:, j], rows["nft_t"][:, j]
-        v = self.velocity(rows, x, t).float()
-        loss, diag = nft_loss(v, old_values(v), rows["final_latents"], x, t, adv, cfg.nft_beta, cfg.adv_clip_max)
-        if cfg.kl_coef == 0:
-            return loss, diag, None
-        with torch.no_grad():
-            v_ref = self.velocity(rows, x, t, reference=True).float()
-        return loss, diag, kl_loss(v, v_ref, 1.0, mode="exact").mean()  # mean (v - v_ref)^2 / 2
-
-    def _optimizer_step(self) -> torch.Tensor:
+    def _optimizer_step(self, loss_finite: bool) -> tuple[torch.Tensor, bool]:
+        """Clip and step, then the EMA and the lr schedule; the gradient norm and whether it
+        stepped. With a non-finite loss or norm nothing changes but the gradients, cleared: the
+        weights, AdamW's moments and step count, the EMA and the schedule stay as they were."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-        if torch.isfinite(norm):
+        took = loss_finite and bool(torch.isfinite(norm))
+        if took:
             self.optimizer.step()
             if self.ema is not None:
                 with torch.no_grad():
                     for name, p in self.module.named_parameters():
                         if name in self.ema:
                             self.ema[name].lerp_(p, 1.0 - self.config.ema_decay)
-        self.scheduler.step()
+            self.scheduler.step()
+        else:
+            logger.warning("non-finite %s: optimizer step skipped", "gradient norm" if loss_finite else "loss")
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.detach().cpu()
+        return norm.detach().cpu(), took
 
     @torch.no_grad()
-    def _sampling_weights_pass(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor, trained: int,
-                               nft: bool) -> torch.Tensor:
-        """What the loss compares against, computed with the weights that sampled, before any
-        optimizer step of this update: the velocity at every ``nft_noisy`` (NFT, ``[B, K, ...]``)
-        or the replayed log-prob of every trained window step (FlowGRPO, ``[B, T]``), for ``rows``
-        only (NaN elsewhere).
+    def _sampling_weights_pass(self, tensors: dict[str, torch.Tensor], rows: torch.Tensor, terms: int,
+                               store: "_SamplingValues") -> None:
+        """Fill ``store`` with what the loss compares against, computed with the weights that
+        sampled, before any optimizer step of this update, for ``rows`` only.
 
         Why only some rows: the rows trained before the first optimizer step see those weights in
-        their own training forward, which `_old_values` detaches and stores instead of running a
-        second, no-grad forward. With ``mini_batch_size`` >= the batch (one optimizer step per
-        update) this pass runs on no row at all."""
-        out = torch.full_like(tensors["nft_noisy" if nft else "rollout_log_probs"], math.nan)
+        their own training forward, which `_SamplingValues.value` detaches and keeps instead of
+        running a second, no-grad forward. With ``mini_batch_size`` >= the batch (one optimizer
+        step per update) this pass runs on no row at all."""
         for idx in rows.split(self.config.micro_batch_size) if len(rows) else ():
             part = {key: value[idx] for key, value in tensors.items()}
-            for j in range(trained):
-                out[idx, j] = (self.velocity(part, part["nft_noisy"][:, j], part["nft_t"][:, j]).float() if nft
-                               else self.replay(part, j).log_prob)
-        return out
+            for j in range(terms):
+                store.value(idx, j, self.objective.sampling_value(self.objective.forward(self, part, j)), fresh=True)
 
 
-def _old_values(store: torch.Tensor | None, rows_idx: torch.Tensor, j: int, fresh: bool):
-    """A function of the rows' current value (velocity or log-prob) at term ``j`` that returns the
-    sampling weights' value: while no optimizer step has been made (``fresh``) that is the current
-    value itself, detached, and it is stored for later epochs; afterwards, the stored one. None
-    when there is no store (FlowGRPO with ``skip_old_logprob``)."""
-    if store is None:
-        return None
+class _SamplingValues:
+    """The sampling weights' value (old log-prob, old velocity) of every row and term of one
+    update, ``[B, terms, ...]``, allocated at the first value (NaN until filled)."""
 
-    def values(current: torch.Tensor) -> torch.Tensor:
+    def __init__(self, rows: int, terms: int):
+        self.rows, self.terms = rows, terms
+        self.values: torch.Tensor | None = None
+
+    def value(self, rows_idx: torch.Tensor, j: int, current: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """The rows' sampling-weights value at term ``j``: while no optimizer step has been made
+        (``fresh``) that is ``current`` itself, detached and kept for later epochs; afterwards
+        the kept one."""
+        if self.values is None:
+            self.values = torch.full((self.rows, self.terms, *current.shape[1:]), math.nan,
+                                     dtype=current.dtype, device=current.device)
         if fresh:
-            store[rows_idx, j] = current.detach()
-        return store[rows_idx, j]
-
-    return values
+            self.values[rows_idx, j] = current.detach()
+        return self.values[rows_idx, j]
 
 
 def lr_factor(config: ActorConfig, total_steps: int | None):

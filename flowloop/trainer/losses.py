@@ -8,7 +8,7 @@ One trained denoising step of a batch of trajectories gives, per sample, the rep
     ratio  = exp(logp - logp_old)
     loss   = mean_B( max(-A * ratio, -A * clamp(ratio, 1 - clip_range, 1 + clip_range)) )
 
-and, with a KL coefficient ``beta > 0``, ``loss + beta * mean_B(kl_loss(...))`` (the recipe adds
+and, with a KL coefficient ``beta > 0``, ``loss + beta * mean_B(kl_loss(...))`` (the actor adds
 it). Published defaults: ``clip_range = 1e-4``, ``adv_clip_max = 5``, ``beta = 0.04``.
 
 `nft_loss` is DiffusionNFT's objective (Zheng et al., 2025), which needs no log-probs: it trains
@@ -203,15 +203,17 @@ def kl_loss(
 
 
 class NonFiniteLossError(RuntimeError):
-    """Raised by `NonFiniteGuard` after too many non-finite losses in a row."""
+    """Raised by `NonFiniteGuard` after too many updates in a row with non-finite steps."""
 
 
 class NonFiniteGuard:
-    """Skips steps whose loss is NaN or inf and stops the run after ``max_consecutive`` in a row.
+    """Stops a run after ``max_consecutive`` updates in a row whose optimizer steps were skipped
+    for a non-finite loss or gradient norm.
 
-    Call ``guard.check(loss, step)`` before ``backward``: True means go on; False means skip this
-    step (a warning is logged and ``skipped`` counted); the ``max_consecutive``-th non-finite loss
-    in a row raises `NonFiniteLossError`. A finite loss resets the consecutive count. Save
+    The actor itself skips such a step before it touches the weights (and reports the count as
+    ``actor/skipped_nonfinite``); the guard sees one update at a time: ``guard.record(skipped,
+    step)``. An update without skipped steps resets the consecutive count; the
+    ``max_consecutive``-th update in a row with some raises `NonFiniteLossError`. Save
     `state_dict` in checkpoints to keep ``skipped`` across a resume.
     """
 
@@ -220,26 +222,27 @@ class NonFiniteGuard:
             raise ValueError(f"max_consecutive must be an int >= 1, got {max_consecutive!r}")
         self.max_consecutive = max_consecutive
         self.consecutive = 0
-        """Non-finite losses since the last finite one."""
+        """Updates with skipped steps since the last clean one."""
         self.skipped = 0
-        """Steps skipped in the whole run (log it as ``skipped_steps``)."""
+        """Optimizer steps skipped in the whole run."""
 
-    def check(self, loss: torch.Tensor, step: int | None = None) -> bool:
-        """True when ``loss`` is finite; False (skip) or `NonFiniteLossError` (stop) otherwise."""
-        if bool(torch.isfinite(loss.detach()).all()):
+    def record(self, skipped: int, step: int | None = None) -> bool:
+        """True when the update skipped no optimizer step; False (go on) or `NonFiniteLossError`
+        (stop) otherwise."""
+        if not skipped:
             self.consecutive = 0
             return True
         self.consecutive += 1
+        self.skipped += int(skipped)
         where = f" at step {step}" if step is not None else ""
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteLossError(
-                f"loss was non-finite ({_loss_text(loss)}){where}, {self.consecutive} times in a row; stopping. "
+                f"non-finite loss or gradient{where}, {self.consecutive} updates in a row; stopping. "
                 "Check the learning rate, the rewards and the log-probs (the rollout-correction metric)."
             )
-        self.skipped += 1
         logger.warning(
-            "non-finite loss (%s)%s: skipping the update (%d in a row, %d skipped in total; stop at %d in a row)",
-            _loss_text(loss), where, self.consecutive, self.skipped, self.max_consecutive,
+            "%d optimizer step(s) skipped for a non-finite loss or gradient%s (%d updates in a row, %d steps "
+            "skipped in total; stop at %d in a row)", skipped, where, self.consecutive, self.skipped, self.max_consecutive,
         )
         return False
 
@@ -266,6 +269,3 @@ def _per_sample(name: str, value, batch: int, dtype: torch.dtype, device) -> tor
         )
     return column.reshape(batch)
 
-
-def _loss_text(loss: torch.Tensor) -> str:
-    return str(loss.detach().item()) if loss.numel() == 1 else "non-finite entries"

@@ -81,7 +81,8 @@ class RLRecipe:
         self.manager = AgentLoopManager.create(cfg.rollout, self.model)
         sampling = SamplingParams.from_dict(cfg.rollout.sampling_dict(validate=False))
         planned = cfg.trainer.total_steps * optimizer_steps_per_batch(cfg.actor, cfg.data.prompts_per_step * cfg.rollout.n)
-        self.actor = Actor(self.model, cfg.actor, sampling, seed=cfg.trainer.seed, total_optimizer_steps=planned)
+        self.actor = Actor(self.model, cfg.actor, sampling, total_optimizer_steps=planned)
+        torch.manual_seed(cfg.trainer.seed)  # the run's global RNG stream starts here, the same on every run
         self.tracker = PerPromptStatTracker() if cfg.advantage.estimator == "per_prompt" else None
         self.guard = NonFiniteGuard()
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
@@ -146,8 +147,7 @@ class RLRecipe:
         # 4. Update the actor on the kept rows.
         if len(keep):
             metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
-            if not self.guard.check(torch.tensor(metrics["actor/policy_loss"]), step):
-                metrics["actor/skipped_nonfinite"] = 1.0
+            self.guard.record(metrics.get("actor/skipped_nonfinite", 0), step)
         end = time.perf_counter()
         metrics.update({
             **reward_extra_means(out),

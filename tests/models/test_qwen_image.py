@@ -138,7 +138,7 @@ def test_true_cfg_with_a_negative_prompt(model):
     actor = Actor(model, ActorConfig(micro_batch_size=2, mini_batch_size=2), sampling)
     rows = {k: out[k] for k in out.keys() if k.startswith(("all_", "prompt_embeds", "negative_prompt_embeds"))}
     with torch.no_grad():
-        assert torch.allclose(actor.replay(rows, 0).log_prob, out["rollout_log_probs"][:, 0], atol=1e-5, rtol=0)
+        assert torch.allclose(actor.objective.replay(actor, rows, 0).log_prob, out["rollout_log_probs"][:, 0], atol=1e-5, rtol=0)
     plain, _ = _rollout(model, n=1)
     assert not torch.allclose(plain["responses"], out["responses"])  # same seeds, guidance changed the images
 

@@ -250,12 +250,12 @@ def check_lora_update(model, batch, sampling, targets: list[str]) -> None:
 
 def lora_update(model, batch, sampling, targets: list[str], rank: int = 4) -> dict[str, float]:
     """One FlowGRPO update with LoRA on ``targets`` (KL to the adapters-off base included)."""
-    from flowloop.config.train import ActorConfig
+    from flowloop.config.actor import ActorConfig
     from flowloop.trainer.actor import Actor
 
     config = ActorConfig(finetune="lora", lora_rank=rank, lora_alpha=2 * rank, lora_target_modules=list(targets),
                          lr=1e-2, micro_batch_size=len(batch), mini_batch_size=len(batch), kl_coef=0.04)
-    actor = Actor(model, config, sampling, seed=0)
+    actor = Actor(model, config, sampling)
     advantages = torch.tensor([1.0, -1.0] * (len(batch) // 2))  # [B]: a real signal, no reward model needed
     return actor.update(batch, advantages, torch.Generator().manual_seed(0))
 

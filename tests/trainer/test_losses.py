@@ -115,22 +115,22 @@ def test_kl_gradient_reaches_the_policy_only_and_zero_std_rows_give_zero():
         kl_loss(mean, ref, 1.0, mode="k3")
 
 
-def test_non_finite_guard_skips_counts_and_stops_after_three_in_a_row(caplog):
+def test_non_finite_guard_counts_and_stops_after_three_updates_in_a_row(caplog):
+    """The actor skips the steps; the guard counts updates that had any and stops the run."""
     guard = NonFiniteGuard()
-    nan, inf, ok = torch.tensor(float("nan")), torch.tensor(float("inf")), torch.tensor(0.5)
     with caplog.at_level(logging.WARNING, logger="flowloop.trainer.losses"):
-        assert guard.check(ok, step=1)
-        assert not guard.check(nan, step=2)
-        assert not guard.check(inf, step=3)
-        assert guard.check(ok, step=4)  # resets the run of non-finite losses
-        assert not guard.check(nan, step=5)
-        assert not guard.check(nan, step=6)
-    assert guard.skipped == 4 and guard.consecutive == 2
-    assert "step 2" in caplog.text and "skipping" in caplog.text
-    with pytest.raises(NonFiniteLossError, match="3 times in a row"):
-        guard.check(nan, step=7)
+        assert guard.record(0, step=1)
+        assert not guard.record(1, step=2)
+        assert not guard.record(2, step=3)
+        assert guard.record(0, step=4)  # resets the run of updates with skipped steps
+        assert not guard.record(1, step=5)
+        assert not guard.record(1, step=6)
+    assert guard.skipped == 5 and guard.consecutive == 2
+    assert "step 2" in caplog.text and "skipped" in caplog.text
+    with pytest.raises(NonFiniteLossError, match="3 updates in a row"):
+        guard.record(1, step=7)
 
     restored = NonFiniteGuard()
     restored.load_state_dict({"consecutive": 1, "skipped": 9})
-    assert not restored.check(nan)
+    assert not restored.record(1)
     assert restored.skipped == 10

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from flowloop.agent_loop import AgentLoopManager
 from flowloop.config import load_config
-from flowloop.config.train import ActorConfig, TrainConfig
+from flowloop.config.actor import ActorConfig
+from flowloop.config.train import TrainConfig
 from flowloop.protocol import Batch
 from flowloop.rollout import SamplingParams
 from flowloop.trainer.actor import Actor
@@ -142,12 +143,20 @@ def test_noised_is_the_forward_process_row_by_row():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["actor.objective=bogus"], "actor.objective must be one of ['flow_grpo', 'nft'], got 'bogus'"),
-    (["actor.nft_beta=0"], "actor.nft_beta must be > 0"),
-    (["actor.nft_timesteps=0"], "actor.nft_timesteps must be >= 1"),
-    (["actor.nft_time_range=[0.5,0.5]"], "actor.nft_time_range must be [lo, hi] with 0 <= lo < hi <= 1"),
-    (["actor.nft_time_range=[0,1.5]"], "actor.nft_time_range must be [lo, hi]"),
-    (["actor.nft_time_range=[0.2]"], "actor.nft_time_range must be [lo, hi]"),
+    (["actor.objective=bogus"], "actor.objective must be one of ['flow_grpo', 'nft'"),
+    (["actor.nft.beta=0"], "actor.nft.beta must be > 0"),
+    (["actor.nft.beta=nan"], "actor.nft.beta must be > 0 and finite, got nan"),
+    (["actor.nft.timesteps=0"], "actor.nft.timesteps must be >= 1"),
+    (["actor.nft.time_range=[0.5,0.5]"], "actor.nft.time_range must be [lo, hi] with 0 <= lo < hi <= 1"),
+    (["actor.nft.time_range=[0,1.5]"], "actor.nft.time_range must be [lo, hi]"),
+    (["actor.nft.time_range=[0.2]"], "actor.nft.time_range must be [lo, hi]"),
+    (["actor.nft_beta=0.5"], "unknown config key 'actor.nft_beta'"),
+    (["actor.lr=inf"], "actor.lr must be > 0 and finite, got inf"),
+    (["actor.lr=nan"], "actor.lr must be > 0 and finite"),
+    (["actor.kl_coef=-1"], "actor.kl_coef must be >= 0 and finite"),
+    (["actor.flow_grpo.clip_range=0"], "actor.flow_grpo.clip_range must be > 0"),
+    (["actor.flow_grpo.timestep_fraction=1.5"], "actor.flow_grpo.timestep_fraction must be in (0, 1]"),
+    (["actor.flow_grpo.kl_mode=k3"], "actor.flow_grpo.kl_mode must be one of ['flow_grpo', 'exact']"),
     (["actor.objective=nft", "actor.adv_clip_max=inf"], "actor.adv_clip_max, which must be finite and > 0"),
     (["rollout.algo.sampler=ode"], "set actor.objective=nft"),
     (["rollout.algo.noise_level=0"], "set actor.objective=nft"),
@@ -159,9 +168,10 @@ def test_config_errors_name_the_key(overrides, message):
 
 
 def test_nft_accepts_what_flow_grpo_cannot_learn_from():
-    cfg = load_config(TrainConfig, ["actor.objective=nft", "rollout.algo.noise_level=0", "actor.nft_beta=0.1",
-                                    "actor.nft_timesteps=3", "actor.nft_time_range=[0.2,0.8]"])
-    assert cfg.actor.objective == "nft" and cfg.actor.nft_timesteps == 3 and list(cfg.actor.nft_time_range) == [0.2, 0.8]
+    cfg = load_config(TrainConfig, ["actor.objective=nft", "rollout.algo.noise_level=0", "actor.nft.beta=0.1",
+                                    "actor.nft.timesteps=3", "actor.nft.time_range=[0.2,0.8]"])
+    assert cfg.actor.objective == "nft" and cfg.actor.nft.timesteps == 3 and list(cfg.actor.nft.time_range) == [0.2, 0.8]
+    assert cfg.actor.nft.beta == 0.1
 
 
 # ---- actor --------------------------------------------------------------------------------------
@@ -187,7 +197,7 @@ def nft_batch() -> tuple[Batch, SamplingParams]:
 def _nft_update(nft_batch, seed: int = 0, **fields):
     batch, sampling = nft_batch
     config = ActorConfig(**{"objective": "nft", "micro_batch_size": 2, "mini_batch_size": 4, "lr": 1e-3, **fields})
-    actor = Actor(make_tiny_model(), config, sampling, seed=0)
+    actor = Actor(make_tiny_model(), config, sampling)
     stats = actor.update(batch, ADVANTAGES, torch.Generator().manual_seed(seed))
     return actor, stats
 
@@ -229,7 +239,7 @@ def test_old_velocity_pass_skips_the_first_mini_batch(nft_batch):
     batch, sampling = nft_batch
     for mini_batch_size, expected_rows in ((4, 8), (2, 12)):
         config = ActorConfig(objective="nft", micro_batch_size=2, mini_batch_size=mini_batch_size, lr=1e-3)
-        actor = Actor(make_tiny_model(), config, sampling, seed=0)
+        actor = Actor(make_tiny_model(), config, sampling)
         seen = []
         actor.module.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[0]))
         stats = actor.update(batch, ADVANTAGES, torch.Generator().manual_seed(0))

@@ -62,7 +62,7 @@ def test_the_old_log_prob_pass_gives_the_rollouts_log_probs(tiny_model_dir, tmp_
     rollout's log-probs, up to the replay's rounding (|logp_replay - logp_rollout| <= 1.2e-7 here)."""
     two_steps = ["trainer.total_steps=2", "actor.micro_batch_size=2"]  # 8 rows, two optimizer steps
     run(tiny_config(tiny_model_dir, tmp_path / "skip", *two_steps), log=lambda _: None)
-    run(tiny_config(tiny_model_dir, tmp_path / "pass", *two_steps, "actor.skip_old_logprob=false"), log=lambda _: None)
+    run(tiny_config(tiny_model_dir, tmp_path / "pass", *two_steps, "actor.flow_grpo.skip_old_logprob=false"), log=lambda _: None)
     skip_rows, pass_rows = metrics(tmp_path / "skip" / "shapes"), metrics(tmp_path / "pass" / "shapes")
     assert len(skip_rows) == len(pass_rows)
     for skip_row, pass_row in zip(skip_rows, pass_rows):

@@ -1,0 +1,96 @@
+"""FlowGRPO: the clipped policy gradient on the log-probs of the SDE window's recorded steps.
+
+For each trained step ``j`` of the window the objective recomputes the velocity at the stored
+latent with the current weights, re-runs the same sampler step with ``prev_sample`` = the stored
+next latent, and gets that step's log-prob and mean. The velocity comes from
+`flowloop.rollout.engine.guided_velocity` (through the actor), the function the rollout sampled
+with, so with unchanged weights the replay reproduces the rollout's log-prob; the
+``rollout_correction`` metrics measure how closely. Settings: ``actor.flow_grpo``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flowloop.config.actor import ActorConfig
+from flowloop.rollout.types import SamplingParams
+from flowloop.sampling import get_step
+from flowloop.trainer.losses import flow_grpo_loss, kl_loss
+from flowloop.trainer.objectives.registry import Policy, Rows, register_objective
+
+
+class FlowGRPO:
+    """``actor.objective=flow_grpo``; the loss is `flowloop.trainer.losses.flow_grpo_loss`."""
+
+    rollout_keys = ("all_latents", "all_timesteps", "all_next_timesteps", "rollout_log_probs")
+
+    def __init__(self, config: ActorConfig, sampling: SamplingParams):
+        self.config = config
+        self.settings = config.flow_grpo
+        self.sampling = sampling
+        self.step_fn = get_step(sampling.sampler)
+        self.step_kwargs = {"logprob_mode": sampling.logprob_mode} if sampling.sampler == "cps" else {}
+        self.needs_sampling_values = not self.settings.skip_old_logprob
+        self._correction: list[torch.Tensor] = []
+
+    @classmethod
+    def validate_config(cls, cfg) -> None:
+        """A policy gradient needs the log-probs of noisy steps."""
+        if cfg.rollout.algo.sampler == "ode":
+            raise ValueError("rollout.algo.sampler=ode records no log-probs for flow_grpo to learn from; "
+                             "use sde, dance or cps, or set actor.objective=nft")
+        if cfg.rollout.algo.noise_level == 0:
+            raise ValueError("rollout.algo.noise_level=0 samples without noise, so flow_grpo has no log-probs to learn "
+                             "from; raise it or set actor.objective=nft")
+
+    def prepare(self, tensors: Rows, generator: torch.Generator) -> int:
+        """Nothing to draw; the first ``ceil(timestep_fraction x window)`` recorded steps train."""
+        self._correction = []
+        return max(1, math.ceil(self.settings.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
+
+    def replay(self, policy: Policy, rows: Rows, j: int, reference: bool = False):
+        """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
+        x = rows["all_latents"][:, j]  # [b, C, H, W]
+        t, t_next = rows["all_timesteps"][:, j], rows["all_next_timesteps"][:, j]  # [b]
+        v = policy.velocity(rows, x, t, reference)
+        return self.step_fn(v, t, t_next, x, noise_level=self.sampling.noise_level,
+                            prev_sample=rows["all_latents"][:, j + 1], **self.step_kwargs)
+
+    def forward(self, policy: Policy, rows: Rows, j: int):
+        return self.replay(policy, rows, j)
+
+    def sampling_value(self, out) -> torch.Tensor:
+        return out.log_prob  # [b]
+
+    def loss(self, policy: Policy, rows: Rows, advantages: torch.Tensor, j: int, out, old: torch.Tensor | None,
+             fresh: bool):
+        """The clipped loss against ``old`` (None: the rollout's own log-probs), and the transition
+        KL to the reference at window step ``j``. Before the first optimizer step the replay's
+        distance to the rollout's log-prob is kept for ``rollout_correction``."""
+        cfg = self.config
+        if fresh:
+            self._correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
+        if old is None:
+            old = rows["rollout_log_probs"][:, j]
+        loss, diag = flow_grpo_loss(out.log_prob, old, advantages, self.settings.clip_range, cfg.adv_clip_max)
+        if cfg.kl_coef == 0:
+            return loss, diag, None
+        with torch.no_grad():
+            ref = self.replay(policy, rows, j, reference=True)
+        dt = rows["all_next_timesteps"][:, j] - rows["all_timesteps"][:, j]  # [b]
+        kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None,
+                     mode=self.settings.kl_mode)
+        return loss, diag, kl.mean()
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout_correction/mean`` and ``/max``: ``|logp_replay - logp_rollout|`` over every
+        term replayed with the sampling weights."""
+        if not self._correction:
+            return {}
+        everything = torch.cat(self._correction)
+        return {"rollout_correction/mean": float(everything.mean()), "rollout_correction/max": float(everything.max())}
+
+
+register_objective("flow_grpo", FlowGRPO)
