@@ -152,8 +152,8 @@ class RolloutConfig:
     """Prompt embeddings are right-padded to this; longer is an error naming the row.
     None = the model's ``max_sequence_length``."""
     n: int = 8
-    """Samples per prompt in training: one GRPO group. Validation draws its own count
-    (``trainer.val_samples_per_category``)."""
+    """Samples per prompt in training: one GRPO group. Validation samples each of the task's
+    validation rows once (`flowloop.tasks`)."""
     calculate_log_probs: bool = True
     """Record per-step log-probs in training (FlowGRPO's ``logp_old``). Validation never does."""
     seed: int = 0

@@ -33,7 +33,7 @@ def train_one_step(family, tmp_path, *overrides):
         "data.prompts_per_step=2", "rollout.n=2", "rollout.pipeline.height=32", "rollout.pipeline.width=32",
         "rollout.pipeline.num_inference_steps=3", "rollout.val_kwargs.pipeline={num_inference_steps: 2}",
         "rollout.algo.sde_window_size=1", "rollout.algo.sde_window_range=[0,2]", "actor.micro_batch_size=2",
-        "actor.mini_batch_size=4", "trainer.total_steps=1", "trainer.val_samples_per_category=2",
+        "actor.mini_batch_size=4", "trainer.total_steps=1", "data.val_train_prompts=2",
         f"trainer.run_root={tmp_path / 'runs'}", *extra, *overrides,
     ], [DEFAULT_RECIPE.parent / f"{family}.yaml"])
     if family == "wan":  # per-frame over a reward that needs no model weights
