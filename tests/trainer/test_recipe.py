@@ -56,7 +56,7 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
 
 
 def test_the_old_log_prob_pass_gives_the_rollouts_log_probs(tiny_model_dir, tmp_path):
-    """``actor.skip_old_logprob=false`` replays logp_old with the sampling weights (the second
+    """``actor.flow_grpo.skip_old_logprob=false`` replays logp_old with the sampling weights (the second
     mini-batch's rows in a no-grad pass, the first's from their own training forward); replay
     being exact here, the run ends with the same weights and metrics as one that takes the
     rollout's log-probs, up to the replay's rounding (|logp_replay - logp_rollout| <= 1.2e-7 here)."""
