@@ -48,6 +48,8 @@ class AgentLoopManager:
         self.workers = list(workers)
         self.failure_policy = failure_policy
         self.owned = list(owned)
+        self.borrowed: list = []
+        """Handles in ``owned`` that another object made: `shutdown` stops them but leaves them alive."""
         self._loop = asyncio.new_event_loop()  # local objects live in this loop across calls
 
     @classmethod
@@ -73,7 +75,6 @@ class AgentLoopManager:
         )
         # 1. Rollout replicas; 2. reward workers; 3. agent-loop workers, reaching both through handles.
         s = config.server
-        own_servers = replicas is None
         servers = list(replicas) if replicas is not None else [
             make_actor(RolloutServer, mode, RolloutEngine(model, s.cpu_shards), s.max_batch_size, s.max_wait_ms)
             for _ in range(num_replicas)]
@@ -86,7 +87,8 @@ class AgentLoopManager:
             make_actor(AgentLoopWorker, mode, config, model.tokenizer, servers, rewards)
             for _ in range(config.agent.num_workers)
         ]
-        manager = cls(workers, config.reward.failure_policy, owned=[*(servers if own_servers else []), *rewards])
+        manager = cls(workers, config.reward.failure_policy, owned=[*servers, *rewards])
+        manager.borrowed = list(replicas or [])
         manager._loop.run_until_complete(wait_ready([*servers, *rewards, *workers]))
         return manager
 
@@ -142,7 +144,7 @@ class AgentLoopManager:
 
         self._loop.run_until_complete(stop_all())
         for handle in [*self.workers, *self.owned]:
-            if is_remote(handle):
+            if is_remote(handle) and handle not in self.borrowed:
                 import ray
 
                 ray.kill(handle)

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional
 
 from flowloop.config.actor import ActorConfig
 from flowloop.config.rollout import RolloutConfig
+from flowloop.config.scale import ScaleConfig
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 RESUME_MODES = ("never", "auto")
@@ -116,10 +117,16 @@ class TrainConfig:
     """How rewards become advantages."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Steps, validation, checkpoints, logging."""
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
+    """Where the processes go: one (local) or a Ray cluster (`flowloop.config.scale`)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad key and what it accepts."""
         self.rollout.validate()
+        self.scale.validate()
+        if self.scale.mode == "ray" and self.actor.ema_decay is not None:
+            raise ValueError("actor.ema_decay is not offered with scale.mode=ray (validation samples on the replicas, "
+                             "which hold the live weights); unset it or use scale.mode=local")
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
         self.actor.validate()
         self._validate_objective()

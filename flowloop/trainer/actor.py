@@ -27,6 +27,7 @@ from flowloop.rollout.engine import guided_velocity
 from flowloop.rollout.types import SamplingParams
 from flowloop.trainer.lora import adapters_disabled, add_lora
 from flowloop.trainer.objectives import get_objective
+from flowloop.trainer.sharding import RankShare, full_value, gather_train_state, load_train_state
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,18 @@ class Actor:
     """Owns the trainable denoiser's optimizer, the frozen reference and the objective; `update`
     is one RL update."""
 
-    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, total_optimizer_steps: int | None = None):
+    def __init__(self, model, config: ActorConfig, sampling: SamplingParams, total_optimizer_steps: int | None = None,
+                 share: RankShare = RankShare(), shard=None):
         """``total_optimizer_steps``: the run's planned optimizer steps, which a decaying
         ``config.lr_schedule`` needs (`optimizer_steps_per_batch` x RL steps). LoRA adapters are
-        initialised from torch's global generator: seed it before for a reproducible run."""
+        initialised from torch's global generator: seed it before for a reproducible run.
+        ``share``: this rank's place among the trainer ranks (`flowloop.trainer.sharding`);
+        ``shard``: called on the trainable module (LoRA added, reference copied) before the
+        optimizer is built, e.g. FSDP2's ``fully_shard``."""
         self.model = model
         self.config = config
         self.sampling = sampling
+        self.share = share
         self.objective = get_objective(config.objective)(config, sampling)
         self.module = model.trainable_module()
         self.reference = None
@@ -50,6 +56,8 @@ class Actor:
         elif config.kl_coef > 0:
             self.reference = copy.copy(model)
             self.reference.transformer = copy.deepcopy(self.module).requires_grad_(False).eval()
+        if shard is not None:
+            shard(self.module)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         low_precision = sorted({str(p.dtype) for p in trainable if p.dtype != torch.float32})
         if low_precision:
@@ -62,8 +70,29 @@ class Actor:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config, total_optimizer_steps))
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The weights a checkpoint must hold (all of them, or the LoRA adapters)."""
+        """The weights a checkpoint must hold (all of them, or the LoRA adapters); this rank's
+        shards when the module is sharded (`full_state` gathers them)."""
         return {k: v for k, v in self.module.state_dict().items() if self.config.finetune == "full" or "lora_" in k}
+
+    def full_state(self, keep: bool = True) -> dict | None:
+        """Trainable weights, optimizer, schedule and EMA, unsharded and keyed by name (a
+        collective when sharded; None where not ``keep``): what a checkpoint holds, loadable on
+        any number of ranks."""
+        state = gather_train_state(self.module, self.optimizer, set(self.trainable_state()), self.share, keep)
+        if state is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+            state["ema"] = None if self.ema is None else {k: v.detach().cpu() for k, v in self.ema.items()}
+        return state
+
+    def load_full_state(self, state: dict) -> None:
+        """Load `full_state`'s result (saved by any number of ranks)."""
+        load_train_state(self.module, self.optimizer, state, self.share)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema is not None:
+            if state.get("ema") is None:
+                raise ValueError("the checkpoint has no EMA weights but actor.ema_decay is set; unset it to resume")
+            device = next(self.module.parameters()).device
+            self.ema = {k: v.to(device) for k, v in state["ema"].items()}
 
     @contextmanager
     def ema_weights(self):
@@ -115,14 +144,19 @@ class Actor:
         store = None
         if objective.needs_sampling_values:
             store = _SamplingValues(len(batch), terms)
-            self._sampling_weights_pass(tensors, orders[0][cfg.mini_batch_size:], terms, store)
+            # Several ranks keep only their own rows' values from the first mini-batch; a later
+            # epoch may hand those rows to another rank, so then every row is passed.
+            first = 0 if self.share.distributed and cfg.inner_epochs > 1 else cfg.mini_batch_size
+            self._sampling_weights_pass(tensors, orders[0][first:], terms, store)
         # 3. Micro-batches, terms, gradient accumulation, one optimizer step per mini-batch.
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
         grad_norms, stepped, finite = [], 0, True
         for order in orders:
             micro_batches = order.split(cfg.micro_batch_size)
-            for m, rows_idx in enumerate(micro_batches):
+            for m, all_rows in enumerate(micro_batches):
+                rows_idx = self.share.rows(all_rows)  # this rank's part of the micro-batch
+                share = self.share.loss_scale(len(rows_idx), len(all_rows))
                 rows = {k: v[rows_idx] for k, v in tensors.items()}
                 adv = advantages[rows_idx]
                 fresh = stepped == 0  # no optimizer step yet: the weights are those of the rollout
@@ -133,29 +167,40 @@ class Actor:
                     if kl is not None:
                         loss = loss + cfg.kl_coef * kl
                         diag = {**diag, "kl_loss": kl.detach()}
-                    (loss / (terms * micro_per_mini)).backward()
+                    (loss * share / (terms * micro_per_mini)).backward()
                     finite = finite and bool(torch.isfinite(loss.detach()))
-                    _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag})
+                    _accumulate(sums, counts, {"policy_loss": loss.detach(), **diag}, share / self.share.world_size)
                 if (m + 1) % micro_per_mini == 0 or m == len(micro_batches) - 1:
                     norm, took = self._optimizer_step(finite)
                     grad_norms.append(norm)
                     stepped += took
                     finite = True
+        sums = self.share.all_reduce_sums(sums)
         metrics = {f"actor/{k}": sums[k] / counts[k] for k in sums}
         metrics["actor/grad_norm"] = float(torch.stack(grad_norms).mean())
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         metrics["actor/optimizer_steps"] = stepped
         if stepped < len(grad_norms):
             metrics["actor/skipped_nonfinite"] = len(grad_norms) - stepped
-        metrics.update(objective.metrics())
+        metrics.update(self._reduced(objective.metrics()))
         return metrics
+
+    def _reduced(self, metrics: dict[str, float]) -> dict[str, float]:
+        """An objective's own metrics over the ranks: the largest ``.../max``, the mean of the
+        rest (each rank's part of the batch is the same size up to one row)."""
+        if not self.share.distributed:
+            return metrics
+        means = self.share.all_reduce_sums({k: v for k, v in metrics.items() if not k.endswith("/max")})
+        out = {k: v / self.share.world_size for k, v in means.items()}
+        out.update({k: self.share.all_reduce_max(v) for k, v in sorted(metrics.items()) if k.endswith("/max")})
+        return out
 
     def _optimizer_step(self, loss_finite: bool) -> tuple[torch.Tensor, bool]:
         """Clip and step, then the EMA and the lr schedule; the gradient norm and whether it
         stepped. With a non-finite loss or norm nothing changes but the gradients, cleared: the
         weights, AdamW's moments and step count, the EMA and the schedule stay as they were."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        norm = full_value(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
         took = loss_finite and bool(torch.isfinite(norm))
         if took:
             self.optimizer.step()
@@ -235,7 +280,9 @@ def optimizer_steps_per_batch(config: ActorConfig, rows: int) -> int:
     return math.ceil(micro / (config.mini_batch_size // config.micro_batch_size)) * config.inner_epochs
 
 
-def _accumulate(sums: dict, counts: dict, values: dict) -> None:
+def _accumulate(sums: dict, counts: dict, values: dict, weight: float = 1.0) -> None:
+    """Add ``values`` to the running sums; ``weight`` is this rank's share of the micro-batch
+    (1 in one process), so the sums over ranks are the one-process sums."""
     for key, value in values.items():
-        sums[key] = sums.get(key, 0.0) + float(value)
+        sums[key] = sums.get(key, 0.0) + float(value) * weight
         counts[key] = counts.get(key, 0) + 1

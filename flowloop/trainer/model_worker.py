@@ -56,27 +56,27 @@ class ModelWorker:
         if init_method is not None:
             backend = "nccl" if str(cfg.model.device).startswith("cuda") else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
-        # 1. The model; the trainer's LoRA layout on every copy, so published adapters fit.
-        torch.manual_seed(cfg.trainer.seed)  # LoRA's initial weights: equal on every rank and replica
+        # 1. The model, with the trainer's LoRA layout on every copy, so published adapters fit.
+        if init_method is not None:
+            torch.manual_seed(cfg.trainer.seed)  # LoRA's initial weights: equal on every rank
         self.model = load_flow_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, **cfg.model.options)
         if cfg.model.gradient_checkpointing and "actor" in roles:
             self.model.trainable_module().enable_gradient_checkpointing()
-        if cfg.actor.finetune == "lora":
-            add_lora(self.model.trainable_module(), cfg.actor)
-        # 2. The replica's model: the actor's own when it is not sharded, else a copy of the denoiser.
+        # 2. The actor, and the replica's model: the actor's own module when it is not sharded,
+        # else a full copy taken (LoRA added) just before sharding.
         self.actor = None
-        sampler = self.model
+        self.sampler = self.model
         if "actor" in roles:
-            if "rollout" in roles and self.share.distributed:
-                sampler = copy.copy(self.model)
-                sampler.transformer = copy.deepcopy(self.model.trainable_module())
-            self.actor = self._build_actor()
+            self.actor = self._build_actor(copy_for_rollout="rollout" in roles and self.share.distributed)
+            torch.manual_seed(cfg.trainer.seed)  # the run's global RNG stream starts here, the same on every run
+        elif cfg.actor.finetune == "lora":
+            add_lora(self.model.trainable_module(), cfg.actor)
         self.server = None
         if "rollout" in roles:
             s = cfg.rollout.server
-            self.server = RolloutServer(RolloutEngine(sampler, s.cpu_shards), s.max_batch_size, s.max_wait_ms)
+            self.server = RolloutServer(RolloutEngine(self.sampler, s.cpu_shards), s.max_batch_size, s.max_wait_ms)
 
-    def _build_actor(self) -> Actor:
+    def _build_actor(self, copy_for_rollout: bool) -> Actor:
         cfg = self.cfg
         sampling = SamplingParams.from_dict(cfg.rollout.sampling_dict(validate=False))
         rows = cfg.data.prompts_per_step * cfg.rollout.n
@@ -84,6 +84,9 @@ class ModelWorker:
         shard = None
         if self.share.distributed:
             def shard(module):
+                if copy_for_rollout:
+                    self.sampler = copy.copy(self.model)
+                    self.sampler.transformer = copy.deepcopy(module).requires_grad_(False)
                 shard_denoiser(module, cfg.model.dtype)
         return Actor(self.model, cfg.actor, sampling, total_optimizer_steps=planned, share=self.share, shard=shard)
 
@@ -106,11 +109,11 @@ class ModelWorker:
 
         return await _on_compute(run)
 
-    async def trainable_state(self, full: bool = True) -> dict[str, torch.Tensor] | None:
-        """The trained weights (all, or LoRA adapters), gathered from every rank (a collective:
-        call it on every rank); None on ranks other than 0 unless ``full``... see `_gather`."""
+    async def trainable_state(self, everywhere: bool = True) -> dict[str, torch.Tensor] | None:
+        """The trained weights (all, or LoRA adapters), unsharded: a collective, so call it on
+        every rank; only rank 0 gets them unless ``everywhere``."""
         self._need("actor", "trainable_state")
-        return await _on_compute(self._gather, full)
+        return await _on_compute(self._gather, everywhere)
 
     def _gather(self, everywhere: bool) -> dict[str, torch.Tensor] | None:
         if not self.share.distributed:
@@ -129,7 +132,7 @@ class ModelWorker:
         once; rank 0 returns ``[ObjectRef]`` (in a list, so Ray does not resolve it), others None."""
         import ray
 
-        state = await self.trainable_state(full=False)
+        state = await self.trainable_state(everywhere=False)
         return None if state is None else [ray.put(state)]
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -150,7 +153,7 @@ class ModelWorker:
         this worker's own actor (colocated; a collective when sharded)."""
         self._need("rollout", "update_weights")
         if state is None and self.actor is not None and self.share.distributed:
-            state = await self.trainable_state(full=True)
+            state = await self.trainable_state(everywhere=True)
         elif state is None and self.actor is None:
             raise ValueError("a rollout-only worker needs the published weights, got None")
         await self.server.update_weights(state, version)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from contextlib import nullcontext
 
 import torch
 
@@ -104,6 +105,12 @@ class WorkerGroup:
     def load_checkpoint_state(self, state: dict) -> None:
         self._all(self.actors, "load_checkpoint_state", self._shared(state))
 
+    def ema_weights(self):
+        """A block in which the replicas sample with the EMA weights (local mode: the actor's own
+        module swaps them in; Ray mode offers no EMA, see `TrainConfig.validate`)."""
+        local = self.local_worker
+        return local.actor.ema_weights() if local is not None else nullcontext()
+
     def _shared(self, value):
         """In Ray mode, one copy in the object store for every rank (Ray resolves it per call)."""
         if self.local_worker is not None:
@@ -121,9 +128,13 @@ class WorkerGroup:
         if self._loop.is_closed():
             return
         handles = list(dict.fromkeys([*self.actors, *self.replicas]))
-        self._run(asyncio.gather(*(call(h, "stop") for h in handles), return_exceptions=True))
-        if self.local_worker is None:
+        if self.local_worker is None:  # a local worker's server stops with the manager's loop
             import ray
+
+            async def stop_all():
+                await asyncio.gather(*(call(h, "stop") for h in handles), return_exceptions=True)
+
+            self._run(stop_all())
 
             for handle in handles:
                 ray.kill(handle)

@@ -3,8 +3,9 @@
 It runs any objective (`actor.objective`) on any task (`data.task`), knowing neither by name.
 One RL step: the task's train rows, repeat each ``rollout.n`` times under one ``uid``, generate
 and score them through the `AgentLoopManager` (streaming rewards), compute group-relative
-advantages, and update the actor on the stored trajectories. The rollout engine samples with the
-actor's own weights (colocated: nothing to copy, nothing stale). Validation runs before
+advantages, update the actor on the stored trajectories, and sync the new weights to the
+rollout replicas (`flowloop.trainer.placement.WorkerGroup`: one process, or Ray ranks and
+replicas); every request names the weight version it must be sampled with. Validation runs before
 training, every ``trainer.val_every`` steps and at the end (the task's validation rows, scored
 by the task); checkpoints every
 ``trainer.save_every`` steps, at the end, and on Ctrl-C.
@@ -18,6 +19,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -25,12 +27,9 @@ import torch
 from flowloop.agent_loop import AgentLoopManager
 from flowloop.config import to_yaml
 from flowloop.config.train import TrainConfig
-from flowloop.models import load_flow_model
 from flowloop.protocol import Batch
 from flowloop.reward.worker import ERROR_KEY
-from flowloop.rollout.types import SamplingParams
 from flowloop.tasks import Task, build_task
-from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
 from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
 from flowloop.trainer.checkpoint import (
     capture_rng_state, describe_weights, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
@@ -38,6 +37,7 @@ from flowloop.trainer.checkpoint import (
 from flowloop.trainer.evaluate import to_uint8_images, with_rewards
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
 from flowloop.trainer.metrics_log import CATEGORY_PREFIX, MetricsLogger, ProgressLine
+from flowloop.trainer.placement import WorkerGroup
 from flowloop.visual import save_grid
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class RLRecipe:
         self.cfg = cfg
         self.log = log
         self.start_step = 0
+        self.version = 0
+        """The update count behind the replicas' weights; a step's rows must be sampled with it."""
         self.history: list[dict] = []
         self.task: Task = build_task(cfg)
         """Train rows, validation rows and their scoring (`flowloop.tasks`)."""
@@ -74,21 +76,19 @@ class RLRecipe:
             else:
                 self.run_dir = Path(checkpoint).parent.parent
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        # 2. Model, rollout (colocated: the engine holds this same model), actor.
-        self.model = load_flow_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, **cfg.model.options)
-        if cfg.model.gradient_checkpointing:
-            self.model.trainable_module().enable_gradient_checkpointing()
-        self.manager = AgentLoopManager.create(cfg.rollout, self.model)
-        sampling = SamplingParams.from_dict(cfg.rollout.sampling_dict(validate=False))
-        planned = cfg.trainer.total_steps * optimizer_steps_per_batch(cfg.actor, cfg.data.prompts_per_step * cfg.rollout.n)
-        self.actor = Actor(self.model, cfg.actor, sampling, total_optimizer_steps=planned)
-        torch.manual_seed(cfg.trainer.seed)  # the run's global RNG stream starts here, the same on every run
+        # 2. Trainer ranks and rollout replicas (one local worker, or Ray actors), agent loops, rewards.
+        self.group = WorkerGroup.create(cfg)
+        local = self.group.local_worker
+        model = local.model if local is not None else SimpleNamespace(**self.group.describe())
+        self.manager = AgentLoopManager.create(cfg.rollout, model, mode=cfg.scale.mode, replicas=self.group.replicas)
         self.tracker = PerPromptStatTracker() if cfg.advantage.estimator == "per_prompt" else None
         self.guard = NonFiniteGuard()
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
         # 3. Resume: weights, optimizer, scheduler, RNG, trackers, history.
         if checkpoint is not None:
             self._restore(checkpoint)
+        self.version = self.start_step
+        self.group.sync_weights(self.manager, self.version)
         self.metrics_log = MetricsLogger(self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                          resume_step=self.start_step if checkpoint is not None else None)
         self.log(f"run folder: {self.run_dir}" + (f" (resumed at step {self.start_step})" if checkpoint else ""))
@@ -144,17 +144,23 @@ class RLRecipe:
         result = compute_advantages(self.cfg.advantage.estimator, rewards, out["uid"],
                                     drop_zero_std_groups=self.cfg.advantage.drop_zero_std_groups, **options)
         keep = result.keep.nonzero().flatten()
-        # 4. Update the actor on the kept rows.
+        # 4. Update the actor on the kept rows; 5. the replicas sample with the new weights next.
         if len(keep):
-            metrics.update(self.actor.update(out[keep.tolist()], result.advantages[keep], self.generator))
+            metrics.update(self.group.update(out[keep.tolist()], result.advantages[keep], self.generator))
             self.guard.record(metrics.get("actor/skipped_nonfinite", 0), step)
+        updated = time.perf_counter()
+        self.version = step
+        self.group.sync_weights(self.manager, self.version)
         end = time.perf_counter()
+        if "weight_version" in out:
+            metrics["rollout/weight_version"] = float(out["weight_version"].min())
         metrics.update({
             **reward_extra_means(out),
             **category_reward_means(out, rewards),
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
-            "time/generate": generated - start, "time/update": end - generated, "time/step": end - start,
+            "time/generate": generated - start, "time/update": updated - generated, "time/weight_sync": end - updated,
+            "time/step": end - start,
             "throughput/samples_per_s": len(out) / (end - start),
             **{f"time/{k}": v for k, v in out.meta_info.get("timing", {}).items()},
         })
@@ -166,7 +172,8 @@ class RLRecipe:
         chosen = self.task.train_rows(self.cfg.trainer.seed, step, self.cfg.data.prompts_per_step)
         n = self.cfg.rollout.n
         uids = [f"{step}-{g}" for g in range(len(chosen)) for _ in range(n)]
-        return self._prompt_batch([row for row in chosen for _ in range(n)], uids, {"global_steps": step})
+        return self._prompt_batch([row for row in chosen for _ in range(n)], uids,
+                                  {"global_steps": step, "weight_version": self.version})
 
     def _prompt_batch(self, rows: list[dict], uids: list[str], meta_info: dict) -> Batch:
         """Rows -> a Batch with ``raw_prompt``, ``uid``, every extra field of a prompt file, and
@@ -184,8 +191,9 @@ class RLRecipe:
         when there are any, scored by the task; the grid goes to ``grids/step_<step>.png``."""
         rows = self.task.val_rows()
         start = time.perf_counter()
-        batch = self._prompt_batch(rows, [f"val-{i}" for i in range(len(rows))], {"validate": True})
-        with self.actor.ema_weights():
+        batch = self._prompt_batch(rows, [f"val-{i}" for i in range(len(rows))],
+                                   {"validate": True, "weight_version": self.version})
+        with self.group.ema_weights():
             out = self.manager.generate_sequences(batch)
         responses = out["responses"]  # [V, C, H, W] or video [V, T, C, H, W]: the task sees first frames
         images = to_uint8_images(responses[:, 0] if responses.ndim == 5 else responses)
@@ -200,25 +208,24 @@ class RLRecipe:
         extra = {"guard": self.guard.state_dict(), "history": json.dumps(self.history), "before": json.dumps(getattr(self, "before", {}))}
         if self.tracker is not None:
             extra["tracker"] = self.tracker.state_dict()
-        if self.actor.ema is not None:
-            extra["ema"] = self.actor.ema
+        trained = self.group.checkpoint_state()  # unsharded: loads on any number of ranks
+        if trained["ema"] is not None:
+            extra["ema"] = trained["ema"]
         state = capture_rng_state()
         state["trainer_generator"] = self.generator.get_state()
-        return save_checkpoint(self.run_dir, step, self.actor.trainable_state(), self.actor.optimizer, [self.actor.scheduler],
+        return save_checkpoint(self.run_dir, step, trained["model"], trained["optimizer"], [trained["scheduler"]],
                                state, {"step": step}, extra, keep_last=self.cfg.trainer.keep_last,
                                description=describe_weights(self.cfg.model, self.cfg.actor))
 
     def _restore(self, checkpoint: Path) -> None:
-        loaded = load_checkpoint(checkpoint, self.actor.optimizer, [self.actor.scheduler])
-        self.actor.module.load_state_dict(loaded.model_state, strict=self.cfg.actor.finetune == "full")
+        loaded = load_checkpoint(checkpoint)
+        self.group.load_checkpoint_state(train_state(loaded))
         rng = dict(loaded.rng_state)
         self.generator.set_state(rng.pop("trainer_generator"))
         restore_rng_state(rng)
         self.guard.load_state_dict(loaded.extra["guard"])
         if self.tracker is not None:
             self.tracker.load_state_dict(loaded.extra["tracker"])
-        if self.actor.ema is not None:
-            self.actor.ema = {k: v.to(next(self.actor.module.parameters()).device) for k, v in loaded.extra["ema"].items()}
         self.history = json.loads(loaded.extra["history"])
         self.before = json.loads(loaded.extra["before"])
         self.start_step = loaded.step
@@ -241,8 +248,18 @@ class RLRecipe:
     def cleanup(self) -> None:
         if hasattr(self, "manager"):
             self.manager.shutdown()
+        if hasattr(self, "group"):
+            self.group.shutdown()
         if hasattr(self, "metrics_log"):
             self.metrics_log.close()
+
+
+def train_state(loaded) -> dict:
+    """A loaded checkpoint's weights, optimizer, schedule and EMA, as `Actor.load_full_state` takes them."""
+    if loaded.optimizer_state is None or not loaded.scheduler_states:
+        raise ValueError(f"{loaded.path} has no optimizer or schedule state to resume from")
+    return {"model": loaded.model_state, "optimizer": loaded.optimizer_state,
+            "scheduler": loaded.scheduler_states[0], "ema": loaded.extra.get("ema")}
 
 
 def reward_extra_means(out: Batch) -> dict[str, float]:

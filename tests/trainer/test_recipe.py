@@ -175,7 +175,7 @@ def test_lora_adapters_train_in_float32_on_a_bf16_model(tiny_model_dir, tmp_path
                             log=lambda _: None)
     recipe.setup()
     try:
-        params = dict(recipe.actor.module.named_parameters())
+        params = dict(recipe.group.local_worker.actor.module.named_parameters())
         assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
         assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
         recipe.train()
