@@ -25,12 +25,16 @@ from flowloop.agent_loop.worker import ROW_INDEX_KEY, AgentLoopWorker
 from flowloop.config.rollout import RolloutConfig
 from flowloop.protocol import Batch
 from flowloop.reward.worker import ERROR_KEY, RewardWorker
+from flowloop.rollout.client import replica_unusable
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.server import RolloutServer
 
 logger = logging.getLogger(__name__)
 
 TIMED = ("generate_time", "queue_time", "reward_time")
+RESTART_WAIT_S = 120.0
+"""How long a weight update waits for a replica Ray is restarting; past it the replica is left
+out (it refuses requests for the new weights, so nothing samples stale)."""
 
 
 class AgentLoopManager:
@@ -128,8 +132,21 @@ class AgentLoopManager:
         weights of update ``version`` from now on (``state``: the weights, or None when each
         holds them already); on this manager's loop, where local replicas serve."""
 
+        async def one(replica):
+            deadline = time.monotonic() + RESTART_WAIT_S
+            while True:
+                try:
+                    return await call(replica, "update_weights", state, version)
+                except Exception as err:  # a replica Ray is restarting: wait for it, within reason
+                    if not replica_unusable(err):
+                        raise
+                    if time.monotonic() > deadline:
+                        logger.warning("replica left out of the weight update to version %d: %s", version, err)
+                        return None
+                    await asyncio.sleep(0.5)
+
         async def every():
-            await asyncio.gather(*(call(r, "update_weights", state, version) for r in replicas))
+            await asyncio.gather(*(one(r) for r in replicas))
 
         self._loop.run_until_complete(every())
 

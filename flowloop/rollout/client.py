@@ -45,7 +45,7 @@ class RolloutClient:
                 output = await _call(self.replicas[index], "generate", request)
             except Exception as err:
                 tried.append(index)
-                if not _replica_unusable(err) or len(tried) == len(self.replicas):
+                if not replica_unusable(err) or len(tried) == len(self.replicas):
                     raise
                 continue
             finally:
@@ -89,7 +89,7 @@ class RolloutClient:
         return index
 
 
-def _replica_unusable(err: BaseException) -> bool:
+def replica_unusable(err: BaseException) -> bool:
     """A dead or restarting Ray actor (matched by name: ray is not imported here), or stale weights."""
     names = {cls.__name__ for cls in type(err).__mro__}
     return isinstance(err, StaleWeightsError) or bool(names & {"RayActorError", "ActorDiedError", "ActorUnavailableError"})

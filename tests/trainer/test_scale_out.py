@@ -122,3 +122,34 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank(cluster, tiny_model_dir, tmp_
     run(one, log=lambda _: None)
     steps = [r["step"] for r in metrics_rows(tmp_path / "shapes")]
     assert steps == sorted(steps) and steps[-1] == 3 and steps.count(3) == 1 and steps.count(2) == 1
+
+
+def test_a_killed_replica_restarts_and_the_step_completes(cluster, tiny_model_dir, tmp_path):
+    """Kill one of two disaggregated replicas mid-step: its requests go to the other (counted in
+    ``agent_loop/retries``), Ray restarts it, and after the next weight sync it samples again."""
+    import threading
+
+    cfg = tiny_config(tiny_model_dir, tmp_path, "scale.mode=ray", "scale.placement=disaggregated", "scale.rollout_replicas=2",
+                      "rollout.reward.name=jpeg_compressibility", "rollout.server.max_batch_size=2", "rollout.server.max_wait_ms=1")
+    group = WorkerGroup.create(cfg)
+    manager = AgentLoopManager.create(cfg.rollout, type("Info", (), group.describe()), mode="ray", replicas=group.replicas)
+    try:
+        group.sync_weights(manager, 0)
+        prompts = ["a red circle", "two blue squares", "a green triangle", "three red squares"] * 4
+        batch = Batch.from_dict(non_tensors={"raw_prompt": prompts, "uid": [str(i) for i in range(len(prompts))]},
+                                meta_info={"global_steps": 1, "weight_version": 0})
+        ray.get(group.replicas[0].pause.remote())  # its requests wait in its queue until the kill
+        killer = threading.Timer(2.0, lambda: ray.kill(group.replicas[0], no_restart=False))
+        killer.start()
+        out = manager.generate_sequences(batch)
+        killer.join()
+        assert len(out) == len(prompts) and not torch.isnan(out["rm_scores"]).any()
+        assert out.meta_info["timing"]["agent_loop/retries"] >= 1
+        assert set(out["weight_version"].tolist()) == {0}
+        group.sync_weights(manager, 1)  # reaches the restarted replica too
+        again = manager.generate_sequences(Batch.from_dict(non_tensors=dict(batch.non_tensors),
+                                                           meta_info={"global_steps": 2, "weight_version": 1}))
+        assert set(again["weight_version"].tolist()) == {1} and again.meta_info["timing"]["agent_loop/retries"] == 0
+    finally:
+        manager.shutdown()
+        group.shutdown()
