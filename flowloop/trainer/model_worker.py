@@ -43,9 +43,11 @@ class ModelWorker:
     """A model in one process, trained (``actor``), sampled (``rollout``), or both."""
 
     def __init__(self, cfg, roles: tuple[str, ...] = ROLES, rank: int = 0, world_size: int = 1,
-                 init_method: str | None = None):
+                 init_method: str | None = None, build=None):
         """``cfg``: the run's `TrainConfig`. ``init_method``: the trainer's process-group rendezvous
-        (``tcp://host:port``); None runs without torch.distributed (one rank)."""
+        (``tcp://host:port``); None runs without torch.distributed (one rank). ``build``: a
+        picklable callable returning the `FlowModel`, run in this process, in place of loading
+        ``cfg.model.path`` (models built in memory, e.g. random weights at real size)."""
         unknown = set(roles) - set(ROLES)
         if unknown or not roles:
             raise ValueError(f"roles must be a non-empty subset of {ROLES}, got {roles}")
@@ -59,7 +61,8 @@ class ModelWorker:
         # 1. The model, with the trainer's LoRA layout on every copy, so published adapters fit.
         if init_method is not None:
             torch.manual_seed(cfg.trainer.seed)  # LoRA's initial weights: equal on every rank
-        self.model = load_flow_model(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, **cfg.model.options)
+        self.model = build() if build is not None else load_flow_model(
+            cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device, **cfg.model.options)
         if cfg.model.gradient_checkpointing and "actor" in roles:
             self.model.trainable_module().enable_gradient_checkpointing()
         # 2. The actor, and the replica's model: the actor's own module when it is not sharded,

@@ -42,10 +42,11 @@ class WorkerGroup:
         self._loop = asyncio.new_event_loop()
 
     @classmethod
-    def create(cls, cfg) -> WorkerGroup:
+    def create(cls, cfg, build=None) -> WorkerGroup:
+        """The workers ``cfg.scale`` asks for; ``build``: see `ModelWorker` (None loads ``cfg.model.path``)."""
         scale = cfg.scale
         if scale.mode == "local":
-            worker = ModelWorker(cfg, ROLES)
+            worker = ModelWorker(cfg, ROLES, build=build)
             return cls([worker], [worker])
         ray = require("ray", "scale.mode=ray")
         if not ray.is_initialized():
@@ -59,9 +60,9 @@ class WorkerGroup:
         ray.get(group.ready())
         roles = ROLES if colocated else ("actor",)
         address = _rendezvous(ray, group, gpus)
-        actors = [_remote(ray, group, i, gpus, cfg, roles, i, scale.ranks, address) for i in range(scale.ranks)]
+        actors = [_remote(ray, group, i, gpus, cfg, roles, i, scale.ranks, address, build) for i in range(scale.ranks)]
         replicas = actors if colocated else [
-            _remote(ray, group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None, restarts=REPLICA_RESTARTS)
+            _remote(ray, group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None, build, restarts=REPLICA_RESTARTS)
             for j in range(scale.replicas)]
         made = cls(actors, replicas, colocated, group)
         made._run(wait_ready(list(dict.fromkeys([*actors, *replicas]))))
