@@ -8,6 +8,7 @@ checkpoint from before this file existed falls back to its run's ``config.yaml``
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,10 +17,16 @@ import torch
 
 from flowloop.models.lora import add_lora
 
-__all__ = ["DESCRIPTION", "TrainedWeights", "load_trained_weights"]
+__all__ = ["CHECKPOINT_FORMAT", "DESCRIPTION", "MANIFEST", "TrainedWeights", "checkpoint_problem", "file_sha256", "load_trained_weights"]
 
 DESCRIPTION = "flowloop.json"
 """The file in a checkpoint folder that describes its weights."""
+
+MANIFEST = "manifest.json"
+"""The file a checkpoint folder is written with last: every file's size and sha256."""
+
+CHECKPOINT_FORMAT = "flowloop.checkpoint/1"
+_REQUIRED = ("model.safetensors", "state.pt")
 
 FORMAT = "flowloop.trained_weights/1"
 
@@ -82,6 +89,44 @@ class TrainedWeights:
                    finetune=actor["finetune"], lora=lora if actor["finetune"] == "lora" else {})
 
 
+def checkpoint_problem(path: str | Path, verify_hashes: bool = True) -> str | None:
+    """None when ``path`` is a complete checkpoint, else what is wrong with it (for messages)."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest.json (incomplete write?)"
+    except (OSError, ValueError) as error:
+        return f"unreadable manifest.json ({error})"
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != CHECKPOINT_FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        return f"manifest.json is not a {CHECKPOINT_FORMAT} manifest"
+    for name in _REQUIRED:
+        if name not in manifest["files"]:
+            return f"the manifest does not list {name}"
+    for name, info in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != info.get("bytes"):
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {info.get('bytes')}"
+        if verify_hashes and file_sha256(file) != info.get("sha256"):
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 hex digest of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def load_trained_weights(model, checkpoint: str | Path):
     """Put a checkpoint's denoiser weights (full or LoRA) into ``model`` and return it.
 
@@ -93,6 +138,11 @@ def load_trained_weights(model, checkpoint: str | Path):
     weights_file = Path(checkpoint) / "model.safetensors"
     if not weights_file.is_file():
         raise FileNotFoundError(f"{weights_file} is missing: pass a checkpoint folder runs/<name>/checkpoints/step_N")
+    written_by_train = (Path(checkpoint) / MANIFEST).exists() or (Path(checkpoint) / "state.pt").exists()
+    problem = checkpoint_problem(checkpoint) if written_by_train else None
+    if problem is not None:
+        raise ValueError(f"--checkpoint {checkpoint} is not a valid checkpoint: {problem}; pass an intact one "
+                         "(a run folder's checkpoints/step_N; its other checkpoints are checked the same way)")
     description = TrainedWeights.read(checkpoint)
     weights = load_file(str(weights_file))
     module: torch.nn.Module = model.trainable_module()

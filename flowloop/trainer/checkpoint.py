@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowloop.models.trained import DESCRIPTION, TrainedWeights
+from flowloop.models.trained import CHECKPOINT_FORMAT as FORMAT
+from flowloop.models.trained import DESCRIPTION, MANIFEST, TrainedWeights, checkpoint_problem
 from flowloop.trainer.checkpoint_files import (
     check_plain, fsync, fsync_dir, safetensors_ready, sha256, state_dict, torch_save, write_synced,
 )
@@ -55,11 +56,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "flowloop.checkpoint/1"
-MANIFEST = "manifest.json"
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_REQUIRED = ("model.safetensors", "state.pt")
 
 
 @dataclass
@@ -208,35 +206,6 @@ def describe_weights(model_config, actor_config) -> TrainedWeights:
 # ---------------------------------------------------------------------------------------------
 # Find and load
 # ---------------------------------------------------------------------------------------------
-
-
-def checkpoint_problem(path: str | os.PathLike, verify_hashes: bool = True) -> str | None:
-    """None when ``path`` is a complete checkpoint, else what is wrong with it (for messages)."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        return "no manifest.json (incomplete write?)"
-    except (OSError, ValueError) as error:
-        return f"unreadable manifest.json ({error})"
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != FORMAT
-        or not isinstance(manifest.get("files"), dict)
-    ):
-        return f"manifest.json is not a {FORMAT} manifest"
-    for name in _REQUIRED:
-        if name not in manifest["files"]:
-            return f"the manifest does not list {name}"
-    for name, info in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != info.get("bytes"):
-            return f"{name} has {file.stat().st_size} bytes, the manifest says {info.get('bytes')}"
-        if verify_hashes and sha256(file) != info.get("sha256"):
-            return f"{name} does not match its sha256 in the manifest"
-    return None
 
 
 def latest_valid_checkpoint(run_dir: str | os.PathLike, verify_hashes: bool = True) -> Path | None:

@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from flowloop.models.trained import file_sha256 as sha256
 
 __all__ = ["check_plain", "fsync", "fsync_dir", "safetensors_ready", "sha256", "state_dict", "torch_save", "write_synced"]
 
@@ -80,11 +81,3 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -8,15 +8,16 @@ rollout replicas (`flowloop.trainer.placement.WorkerGroup`: one process, or Ray 
 replicas); every request names the weight version it must be sampled with. Validation runs before
 training, every ``trainer.val_every`` steps and at the end (the task's validation rows, scored
 by the task); checkpoints every
-``trainer.save_every`` steps, at the end, and on Ctrl-C.
+``trainer.save_every`` steps, at the end, on Ctrl-C or SIGTERM, and before a step that failed
+before its update (a reward that failed) stops the run. One process trains into a run folder at a
+time (`flowloop.trainer.run_folder`); its ``config.yaml`` is written once set-up has succeeded.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import signal
-import threading
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -36,8 +37,10 @@ from flowloop.trainer.checkpoint import (
 )
 from flowloop.trainer.evaluate import to_uint8_images, with_rewards
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
-from flowloop.trainer.metrics_log import CATEGORY_PREFIX, MetricsLogger, ProgressLine
+from flowloop.trainer.metrics_log import CATEGORY_PREFIX, METRICS_FILE, MetricsLogger, ProgressLine
 from flowloop.trainer.placement import WorkerGroup
+from flowloop.trainer.run_folder import RunLock, apply_to_train_state, check_resume_config, clean_stale_temporaries
+from flowloop.trainer.stop import StopRequest
 from flowloop.visual import save_grid
 
 logger = logging.getLogger(__name__)
@@ -64,18 +67,47 @@ class RLRecipe:
         cfg = self.cfg
         if cfg.trainer.num_threads:
             torch.set_num_threads(cfg.trainer.num_threads)
-        # 1. Run folder: resume into an existing one, or a new one that never overwrites another.
-        named = Path(cfg.trainer.run_root) / cfg.trainer.run_name
-        checkpoint = None
-        if cfg.trainer.resume == "never":
-            self.run_dir = new_run_dir(cfg.trainer.run_root, cfg.trainer.run_name)
-        else:
-            checkpoint = resolve_resume(named, cfg.trainer.resume)
-            if checkpoint is None:
-                self.run_dir = new_run_dir(cfg.trainer.run_root, cfg.trainer.run_name)
-            else:
-                self.run_dir = Path(checkpoint).parent.parent
+        # 1. Run folder, locked against a second process: resume into it, or a new one.
+        checkpoint, created = self._open_run_dir()
+        try:
+            self._build(checkpoint)
+        except BaseException:
+            self.lock.release()
+            if created:  # a start that failed leaves no folder behind
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+        # 4. The run's record changes only once everything above worked.
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.log(f"run folder: {self.run_dir}" + (f" (resumed at step {self.start_step})" if checkpoint else ""))
+
+    def _open_run_dir(self) -> tuple[Path | None, bool]:
+        """Lock the run folder and find the checkpoint to resume from (None: start at step 0);
+        also says whether the folder was made here. ``resume=auto`` on a folder without a
+        checkpoint starts it over in place."""
+        trainer = self.cfg.trainer
+        named = Path(trainer.run_root) / trainer.run_name
+        checkpoint, created = None, False
+        if trainer.resume == "never":
+            self.run_dir, created = new_run_dir(trainer.run_root, trainer.run_name), True
+        elif trainer.resume == "auto":
+            created = not named.exists()
+            self.run_dir = new_run_dir(trainer.run_root, trainer.run_name) if created else named
+        else:
+            checkpoint = resolve_resume(named, trainer.resume)
+            self.run_dir = Path(checkpoint).parent.parent
+        self.lock = RunLock(self.run_dir).acquire()
+        clean_stale_temporaries(self.run_dir)
+        if trainer.resume == "auto" and not created:
+            checkpoint = resolve_resume(self.run_dir, "auto")
+            if checkpoint is None and (self.run_dir / METRICS_FILE).exists():
+                self.log(f"{self.run_dir} has no checkpoint: starting it over from step 0")
+                (self.run_dir / METRICS_FILE).unlink()
+        if checkpoint is not None:
+            self.resume_changes = check_resume_config(self.run_dir, self.cfg, self.log)
+        return checkpoint, created
+
+    def _build(self, checkpoint: Path | None) -> None:
+        cfg = self.cfg
         # 2. Trainer ranks and rollout replicas (one local worker, or Ray actors), agent loops, rewards.
         self.group = WorkerGroup.create(cfg)
         local = self.group.local_worker
@@ -88,10 +120,10 @@ class RLRecipe:
         if checkpoint is not None:
             self._restore(checkpoint)
         self.version = self.start_step
+        self.saved_step = self.start_step if checkpoint is not None else None
         self.group.sync_weights(self.manager, self.version)
         self.metrics_log = MetricsLogger(self.run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                          resume_step=self.start_step if checkpoint is not None else None)
-        self.log(f"run folder: {self.run_dir}" + (f" (resumed at step {self.start_step})" if checkpoint else ""))
 
     # -- train --------------------------------------------------------------------------
     def train(self) -> dict:
@@ -102,30 +134,37 @@ class RLRecipe:
             self.metrics_log.log(0, self.before)
             progress.update(0, accuracy=self.before[self.val_metric])
         step = self.start_step
-        with _StopRequest(self.log) as stop:
-            try:
-                for step in range(self.start_step + 1, cfg.total_steps + 1):
+        with StopRequest(self.log) as stop:
+            for step in range(self.start_step + 1, cfg.total_steps + 1):
+                before = self._state_before_step()
+                try:
                     metrics = self.train_step(step)
-                    if step % cfg.val_every == 0 or step == cfg.total_steps:
-                        metrics.update(self.validate(step))
-                    self.metrics_log.log(step, metrics)
-                    self.history.append({"step": step, **{k: v for k, v in metrics.items() if k.startswith("val/")}})
-                    progress.update(step, metrics["reward/mean"], metrics.get(self.val_metric), metrics["time/step"])
-                    if step % cfg.save_every == 0 or step == cfg.total_steps or stop.requested:
-                        self.save(step)
-                    if stop.requested:
-                        progress.close()
-                        self.log(f"\nstopped by Ctrl-C: checkpoint of step {step} in {self.run_dir / 'checkpoints'}; resume with\n"
-                                 f"  flowloop train trainer.resume=auto trainer.run_root={cfg.run_root} "
-                                 f"trainer.run_name={self.run_dir.name} (plus the overrides this run used)")
-                        raise KeyboardInterrupt
-            except NonFiniteLossError:
-                if step - 1 > self.start_step:
-                    self.save(step - 1)
-                progress.close()
-                self.log(f"stopped: non-finite loss {self.guard.max_consecutive} steps in a row; last good checkpoint "
-                         f"in {self.run_dir / 'checkpoints'}. Lower actor.lr and resume with trainer.resume=auto.")
-                raise
+                except Exception:  # e.g. a failed reward: keep the finished steps
+                    self._save_unsaved(step - 1, before)
+                    progress.close()
+                    raise
+                if step % cfg.val_every == 0 or step == cfg.total_steps:
+                    metrics.update(self.validate(step))
+                self.metrics_log.log(step, metrics)
+                self.history.append({"step": step, **{k: v for k, v in metrics.items() if k.startswith("val/")}})
+                progress.update(step, metrics["reward/mean"], metrics.get(self.val_metric), metrics["time/step"])
+                try:
+                    if "actor/skipped_nonfinite" in metrics:
+                        self.guard.record(metrics["actor/skipped_nonfinite"], step)
+                except NonFiniteLossError:
+                    self.save(step)  # skipped steps left the weights finite; save() checks
+                    progress.close()
+                    self.log(f"stopped: non-finite loss {self.guard.max_consecutive} steps in a row; checkpoint of step {step} "
+                             f"in {self.run_dir / 'checkpoints'}. Resume with trainer.resume=auto and a lower actor.lr.")
+                    raise
+                if step % cfg.save_every == 0 or step == cfg.total_steps or stop.requested:
+                    self.save(step)
+                if stop.requested:
+                    progress.close()
+                    self.log(f"\nstopped by {stop.signal_name}: checkpoint of step {step} in {self.run_dir / 'checkpoints'}; "
+                             f"resume with\n  flowloop train trainer.resume=auto trainer.run_root={cfg.run_root} "
+                             f"trainer.run_name={self.run_dir.name} (plus the overrides this run used)")
+                    raise KeyboardInterrupt
         progress.close()
         return self.summary()
 
@@ -147,7 +186,6 @@ class RLRecipe:
         # 4. Update the actor on the kept rows; 5. the replicas sample with the new weights next.
         if len(keep):
             metrics.update(self.group.update(out[keep.tolist()], result.advantages[keep], self.generator))
-            self.guard.record(metrics.get("actor/skipped_nonfinite", 0), step)
         updated = time.perf_counter()
         self.version = step
         self.group.sync_weights(self.manager, self.version)
@@ -204,22 +242,49 @@ class RLRecipe:
         return metrics
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save(self, step: int) -> Path:
+    def save(self, step: int, before: dict | None = None) -> Path:
+        """Checkpoint ``step``; ``before``: the RNG states as the next step began (`_state_before_step`),
+        when that step has run part way. Non-finite weights are never saved (NonFiniteLossError)."""
         extra = {"guard": self.guard.state_dict(), "history": json.dumps(self.history), "before": json.dumps(getattr(self, "before", {}))}
         if self.tracker is not None:
             extra["tracker"] = self.tracker.state_dict()
         trained = self.group.checkpoint_state()  # unsharded: loads on any number of ranks
+        bad = [k for k, v in trained["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            last = "none" if self.saved_step is None else f"step {self.saved_step}"
+            raise NonFiniteLossError(f"the weights of step {step} are not finite ({len(bad)} tensors, e.g. {bad[0]}): not "
+                                     f"saved; the last finite checkpoint ({last}) is in {self.run_dir / 'checkpoints'}")
         if trained["ema"] is not None:
             extra["ema"] = trained["ema"]
-        state = capture_rng_state()
-        state["trainer_generator"] = self.generator.get_state()
-        return save_checkpoint(self.run_dir, step, trained["model"], trained["optimizer"], [trained["scheduler"]],
+        state = dict(before) if before is not None else self._state_before_step()
+        path = save_checkpoint(self.run_dir, step, trained["model"], trained["optimizer"], [trained["scheduler"]],
                                state, {"step": step}, extra, keep_last=self.cfg.trainer.keep_last,
                                description=describe_weights(self.cfg.model, self.cfg.actor))
+        self.saved_step = step
+        return path
+
+    def _state_before_step(self) -> dict:
+        state = capture_rng_state()
+        state["trainer_generator"] = self.generator.get_state()
+        return state
+
+    def _save_unsaved(self, step: int, before: dict) -> None:
+        """After a step failed before its update (the weights are still those of ``step``),
+        checkpoint ``step`` unless it is saved already, so a resume loses nothing."""
+        if self.version != step or step <= 0 or self.saved_step == step:
+            return
+        try:
+            path = self.save(step, before)
+        except Exception as err:  # the step's own error is the one to report
+            self.log(f"could not checkpoint step {step} after the failure: {err}")
+            return
+        self.log(f"step {step + 1} failed; checkpoint of step {step} in {path}; fix the cause and resume with trainer.resume=auto")
 
     def _restore(self, checkpoint: Path) -> None:
         loaded = load_checkpoint(checkpoint)
-        self.group.load_checkpoint_state(train_state(loaded))
+        state = train_state(loaded)
+        apply_to_train_state(state, getattr(self, "resume_changes", {}))
+        self.group.load_checkpoint_state(state)
         rng = dict(loaded.rng_state)
         self.generator.set_state(rng.pop("trainer_generator"))
         restore_rng_state(rng)
@@ -252,6 +317,8 @@ class RLRecipe:
             self.group.shutdown()
         if hasattr(self, "metrics_log"):
             self.metrics_log.close()
+        if hasattr(self, "lock"):
+            self.lock.release()
 
 
 def train_state(loaded) -> dict:
@@ -293,31 +360,6 @@ def category_reward_means(out: Batch, rewards: torch.Tensor) -> dict[str, float]
         if correct is not None:
             means[f"{CATEGORY_PREFIX}{name}/correct"] = float(np.mean([float(correct[i]) for i in rows]))
     return means
-
-
-class _StopRequest:
-    """First Ctrl-C: finish the running step, checkpoint it, then stop (weights are never saved
-    half-updated). A second Ctrl-C interrupts at once. Outside the main thread it does nothing."""
-
-    def __init__(self, log):
-        self.log = log
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._ask)
-        return self
-
-    def _ask(self, signum, frame):
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous)
-        self.log("\nCtrl-C: finishing this step, then writing a checkpoint (press again to stop at once)")
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
 
 
 def run(cfg: TrainConfig, log=print) -> dict:
