@@ -98,6 +98,8 @@ def run_mode(family: str, args, mode: str) -> dict:
             result["steps"].append({"rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
                                     "correction_max": metrics.get("rollout_correction/max")})
             print(json.dumps({"family": family, "mode": mode, "step": step, **result["steps"][-1]}), flush=True)
+        served = group._all(group.replicas, "metrics")[0]
+        result["mean_engine_batch"] = served.get("mean_batch_size")
     finally:
         manager.shutdown()
         group.shutdown()
@@ -139,13 +141,13 @@ def main() -> None:
             if args.out:
                 device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                 Path(args.out).write_text(json.dumps({"device": device, "results": results}, indent=2))
-    print(f"\n{'family':12} {'mode':6} {'img/s step':>10} {'img/s rollout':>13} {'update_s':>9} {'sync_s':>7}")
+    print(f"\n{'family':12} {'mode':6} {'img/s step':>10} {'img/s rollout':>13} {'update_s':>9} {'sync_s':>7} {'batch':>6}")
     for r in results:
         if "error" in r:
             print(f"{r['family']:12} {r['mode']:6} {r['error'][:80]}")
         else:
             print(f"{r['family']:12} {r['mode']:6} {r['images_per_s']:10.3f} {r['rollout_images_per_s']:13.3f} "
-                  f"{r['update_s']:9.2f} {r['sync_s']:7.3f}")
+                  f"{r['update_s']:9.2f} {r['sync_s']:7.3f} {r['mean_engine_batch'] or 0:6.1f}")
 
 
 if __name__ == "__main__":
