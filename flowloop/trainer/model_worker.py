@@ -166,6 +166,11 @@ class ModelWorker:
         self._need("rollout", "generate")
         return await self.server.generate(request)
 
+    async def flush(self, request_ids) -> None:
+        """Run these queued requests as a batch now (`RolloutServer.flush`)."""
+        if self.server is not None:
+            await self.server.flush(request_ids)
+
     async def abort(self, request_id: str) -> bool:
         return self.server.abort(request_id) if self.server is not None else False
 
