@@ -21,10 +21,10 @@ import time
 import torch
 
 from flowloop.agent_loop.actors import call, check_mode, is_remote, make_actor, wait_ready
-from flowloop.agent_loop.worker import ROW_INDEX_KEY, AgentLoopWorker
+from flowloop.agent_loop.worker import ROW_INDEX_KEY, AgentLoopWorker, _gather_or_cancel
 from flowloop.config.rollout import RolloutConfig
 from flowloop.protocol import Batch
-from flowloop.reward.worker import ERROR_KEY, RewardWorker
+from flowloop.reward.worker import ERROR_KEY, RewardFailedError, RewardWorker
 from flowloop.rollout.client import replica_unusable
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.server import RolloutServer
@@ -85,7 +85,7 @@ class AgentLoopManager:
         rewards = []
         if config.reward.name is not None:
             r = config.reward
-            rewards = [make_actor(RewardWorker, mode, r.name, r.max_batch_size, r.max_wait_ms, r.kwargs)
+            rewards = [make_actor(RewardWorker, mode, r.name, r.max_batch_size, r.max_wait_ms, r.kwargs, r.timeout_s)
                        for _ in range(r.num_workers)]
         workers = [
             make_actor(AgentLoopWorker, mode, config, model.tokenizer, servers, rewards)
@@ -115,8 +115,9 @@ class AgentLoopManager:
             batch[ROW_INDEX_KEY] = list(range(len(batch)))
         # 2. Split, run the chunks concurrently, concatenate in order.
         chunks = batch.chunk(min(len(self.workers), len(batch)))
-        timed = [_timed(call(worker, "generate_sequences", chunk)) for worker, chunk in zip(self.workers, chunks)]
-        results = await asyncio.gather(*timed)
+        timed = [asyncio.ensure_future(_timed(call(worker, "generate_sequences", chunk)))
+                 for worker, chunk in zip(self.workers, chunks)]
+        results = await _gather_or_cancel(timed)  # one worker failing cancels its siblings' rows
         output = _concat([out for out, _ in results])
         if added_index:
             output = Batch(output.tensors, {k: v for k, v in output.non_tensors.items() if k != ROW_INDEX_KEY}, output.meta_info)
@@ -182,16 +183,17 @@ def apply_failure_policy(batch: Batch, policy: str) -> Batch:
     errors = batch[ERROR_KEY] if ERROR_KEY in batch else [None] * len(batch)
     prompts = batch["raw_prompt"] if "raw_prompt" in batch else [None] * len(batch)
     first = failed[0]
+    prompt = repr(prompts[first]) if len(repr(prompts[first])) <= 120 else repr(prompts[first])[:100] + "...' (cut)"
     summary = (f"reward failed for {len(failed)} of {len(batch)} rows (rows {failed[:8]}); row {first} "
-               f"(prompt {prompts[first]!r}): {errors[first]}")
+               f"(prompt {prompt}): {errors[first]}")
     if policy == "fail":
-        raise RuntimeError(f"{summary}. reward.failure_policy='fail' stops the step; "
-                           "set it to 'drop_group' to drop those rows' groups instead.")
+        raise RewardFailedError(f"{summary}. rollout.reward.failure_policy='fail' stops the step; "
+                                "set it to 'drop_group' to drop those rows' groups instead.")
     groups = batch["uid"] if "uid" in batch else list(range(len(batch)))
     bad = {groups[i] for i in failed}
     keep = [i for i in range(len(batch)) if groups[i] not in bad]
     if not keep:
-        raise RuntimeError(f"{summary}. Every group has a failed row, so drop_group left nothing.")
+        raise RewardFailedError(f"{summary}. Every group has a failed row, so drop_group left nothing.")
     logger.warning("%s; dropping %d rows in %d groups", summary, len(batch) - len(keep), len(bad))
     return batch[keep]
 

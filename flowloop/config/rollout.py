@@ -124,6 +124,10 @@ class RewardConfig:
     max_wait_ms: float = 0.0
     """How long a worker waits to fill a batch. 0: no added latency; samples that arrive while a
     batch is being scored form the next one anyway. Raise it for a GPU reward model."""
+    timeout_s: Optional[float] = 600.0
+    """Most seconds one call of the reward function may take (a remote reward's retries
+    included); past it every row of that batch fails (``reward_error``) and ``failure_policy``
+    decides. Generous, for a reward model's first call; null: no limit."""
     failure_policy: str = "fail"
     """When a reward function raises for a row: "fail" the step (the error names the row), or
     "drop_group": drop every row sharing that row's ``uid`` and go on. Never a silent 0."""
@@ -175,6 +179,9 @@ class RolloutConfig:
         for key, value in (("reward.max_wait_ms", self.reward.max_wait_ms), ("server.max_wait_ms", self.server.max_wait_ms)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0, got {value}")
+        timeout = self.reward.timeout_s
+        if timeout is not None and not 0 < timeout < float("inf"):
+            raise ValueError(f"reward.timeout_s must be a number of seconds > 0 (or null: no limit), got {timeout}")
         if self.reward.kwargs and self.reward.name is None:
             raise ValueError(f"reward.kwargs is set ({sorted(self.reward.kwargs)}) but reward.name is null; set both or neither")
         if self.reward.failure_policy not in FAILURE_POLICIES:

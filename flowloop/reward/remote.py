@@ -21,7 +21,9 @@ Wire format (one ``POST {url}/score`` per chunk of at most ``batch_size`` sample
 
 Retries: a refused connection, a timeout (``timeout_s`` per connect and per read) or HTTP
 502/503/504 is retried ``max_retries`` times, waiting ``backoff_s * 2**attempt`` between
-attempts; then a ConnectionError names the url and the attempts. Any other HTTP error (the
+attempts; then a ConnectionError names the url and the attempts, and `RewardWorker` fails the
+whole batch at once (no row-by-row re-scoring of a dead server). ``rollout.reward.timeout_s``
+bounds the whole call, retries included. Any other HTTP error (the
 server could not read the request) fails at once with the server's message.
 """
 
@@ -41,6 +43,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from flowloop.reward.registry import RewardFn, register_reward
+from flowloop.reward.worker import in_daemon_thread
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +122,7 @@ async def _post_with_retries(endpoint: str, body: bytes, timeout_s: float, max_r
         if attempt:
             await asyncio.sleep(backoff_s * 2 ** (attempt - 1))
         try:
-            return await asyncio.to_thread(_post, endpoint, body, timeout_s)
+            return await in_daemon_thread(_post, endpoint, body, timeout_s)
         except urllib.error.HTTPError as err:
             if err.code not in RETRY_STATUS:
                 raise RuntimeError(f"reward server {endpoint} answered HTTP {err.code}: {_error_text(err)}") from None

@@ -8,8 +8,11 @@ the event loop (and the rollout it drives) keeps going meanwhile.
 
 Failures never become a score: a row whose reward raised, or came back non-finite, gets
 ``score=None`` and the error in ``extra_info["reward_error"]``; a batch that raised is re-scored
-one sample at a time, so one bad sample fails only its own row. The same class runs locally and,
-wrapped with ``ray.remote``, as an async Ray actor.
+one sample at a time, so one bad sample fails only its own row, except when the call ran past
+``timeout_s`` or could not reach its server (`FAIL_FAST`): then every row of the batch fails at
+once, with no per-row re-scoring of a dead service. A sync reward runs in a daemon thread, so one
+that never returns neither blocks the run past ``timeout_s`` nor the process's exit. The same
+class runs locally and, wrapped with ``ray.remote``, as an async Ray actor.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 ERROR_KEY = "reward_error"
 """Extra-info key of every result: None, or ``"ExceptionType: message"`` when the row failed."""
+
+FAIL_FAST = (TimeoutError, asyncio.TimeoutError, ConnectionError)
+"""Errors that say the reward (or its server) is unavailable, not that one sample is bad."""
+
+
+class RewardFailedError(RuntimeError):
+    """A step's rewards failed (`flowloop.agent_loop.manager.apply_failure_policy` names the rows)."""
 
 
 @dataclass
@@ -58,9 +69,13 @@ class RewardWorker:
     """
 
     def __init__(self, reward_fn: str, max_batch_size: int = 16, max_wait_ms: float = 0.0,
-                 kwargs: dict[str, Any] | None = None):
+                 kwargs: dict[str, Any] | None = None, timeout_s: float | None = None):
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError(f"need max_batch_size >= 1 and max_wait_ms >= 0, got {max_batch_size}, {max_wait_ms}")
+        if timeout_s is not None and not 0 < timeout_s < math.inf:
+            raise ValueError(f"rollout.reward.timeout_s must be a number > 0 or null, got {timeout_s}")
+        self.timeout_s = timeout_s
+        """Most seconds one call of the reward function may take (None: no limit)."""
         self.name = reward_fn
         self.fn = build_reward(reward_fn, kwargs)
         self.max_batch_size = max_batch_size
@@ -126,7 +141,14 @@ class RewardWorker:
     async def _score(self, samples: list[RewardSample]) -> list[RewardResult]:
         """Score samples of one shape; a raising batch is re-scored sample by sample."""
         try:
-            scores, infos = await self._call(samples)
+            scores, infos = await asyncio.wait_for(self._call(samples), self.timeout_s)
+        except FAIL_FAST as err:
+            if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
+                message = (f"TimeoutError: reward {self.name!r} took longer than rollout.reward.timeout_s={self.timeout_s} s "
+                           f"for a batch of {len(samples)}; raise rollout.reward.timeout_s or fix the reward")
+            else:
+                message = f"{type(err).__name__}: {err}"
+            return [self._failed(sample, message) for sample in samples]
         except Exception as err:
             if len(samples) > 1:
                 return [(await self._score([sample]))[0] for sample in samples]
@@ -140,7 +162,7 @@ class RewardWorker:
         if is_async(self.fn):
             out = await self.fn(images, prompts, metadata)
         else:
-            out = await asyncio.to_thread(self.fn, images, prompts, metadata)
+            out = await in_daemon_thread(self.fn, images, prompts, metadata)
         if not isinstance(out, tuple) or len(out) != 2:
             raise TypeError(f"reward {self.name!r} must return (scores, extra_info), got {type(out).__name__}")
         scores, infos = out
@@ -164,6 +186,28 @@ class RewardWorker:
     def _failed(self, sample: RewardSample, message: str) -> RewardResult:
         logger.warning("reward %r failed for prompt %r: %s", self.name, sample.prompt, message)
         return RewardResult(None, {ERROR_KEY: message})
+
+
+async def in_daemon_thread(fn, *args):
+    """``fn(*args)`` in a daemon thread: awaiting it can time out, and a call that never returns
+    does not keep the process alive (``asyncio.to_thread``'s pool threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def target():
+        try:
+            result, error = fn(*args), None
+        except BaseException as err:  # delivered to the awaiting task
+            result, error = None, err
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name="reward", daemon=True).start()
+    return await future
 
 
 def _group_by_shape(items: list) -> list[list]:

@@ -1,0 +1,88 @@
+"""The train loop under faults: a failed reward, SIGTERM, non-finite weights, a corrupted checkpoint."""
+
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowloop.cli import main
+from flowloop.reward.registry import register_reward
+from flowloop.trainer.losses import NonFiniteLossError
+from flowloop.trainer.recipe import RLRecipe, run
+from tests.trainer.test_recipe import brightness, metrics, tiny_config
+
+quiet = dict(log=lambda _: None)
+
+
+def _training_step(metadata) -> int | None:
+    uid = str(metadata[0].get("uid", ""))
+    return None if uid.startswith("val") else int(uid.split("-")[0])
+
+
+@register_reward("test_fails_at_step_3")
+def fails_at_step_3(images, prompts, metadata):
+    if _training_step(metadata) == 3:
+        raise ConnectionError("reward server gone")
+    return brightness(images, prompts, metadata)
+
+
+@register_reward("test_sigterm_at_step_2")
+def sigterm_at_step_2(images, prompts, metadata):
+    if _training_step(metadata) == 2 and not getattr(sigterm_at_step_2, "sent", False):
+        sigterm_at_step_2.sent = True
+        os.kill(os.getpid(), signal.SIGTERM)
+    return brightness(images, prompts, metadata)
+
+
+def test_a_failed_reward_checkpoints_the_last_step_and_the_resume_is_exact(tiny_model_dir, tmp_path):
+    args = ("trainer.total_steps=4", "trainer.save_every=10")
+    run(tiny_config(tiny_model_dir, tmp_path / "straight", *args), **quiet)
+    with pytest.raises(RuntimeError, match="reward server gone"):
+        run(tiny_config(tiny_model_dir, tmp_path / "faulty", *args, "rollout.reward.name=test_fails_at_step_3"), **quiet)
+    assert sorted(p.name for p in (tmp_path / "faulty" / "shapes" / "checkpoints").iterdir()) == ["step_000002"]
+    run(tiny_config(tiny_model_dir, tmp_path / "faulty", *args, "trainer.resume=auto"), **quiet)
+    straight = load_file(tmp_path / "straight" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
+    resumed = load_file(tmp_path / "faulty" / "shapes" / "checkpoints" / "step_000004" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    assert metrics(tmp_path / "straight" / "shapes") == metrics(tmp_path / "faulty" / "shapes")
+
+
+def test_sigterm_finishes_the_step_and_checkpoints_it(tiny_model_dir, tmp_path):
+    logged = []
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=4", "trainer.save_every=10",
+                        "rollout.reward.name=test_sigterm_at_step_2"), log=logged.append)
+    assert sorted(p.name for p in (tmp_path / "shapes" / "checkpoints").iterdir()) == ["step_000002"]
+    assert any("stopped by SIGTERM: checkpoint of step 2" in line for line in logged)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_non_finite_weights_are_never_saved(tiny_model_dir, tmp_path):
+    recipe = RLRecipe(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2"), **quiet)
+    recipe.setup()
+    try:
+        recipe.save(1)
+        with torch.no_grad():
+            next(recipe.group.local_worker.actor.module.parameters()).fill_(float("nan"))
+        with pytest.raises(NonFiniteLossError, match="the weights of step 2 are not finite .* the last finite checkpoint \\(step 1\\)"):
+            recipe.save(2)
+    finally:
+        recipe.cleanup()
+    assert sorted(p.name for p in (tmp_path / "shapes" / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_eval_and_generate_refuse_a_corrupted_checkpoint(tiny_model_dir, tmp_path, capsys):
+    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=1", "trainer.save_every=1"), **quiet)
+    checkpoint = tmp_path / "shapes" / "checkpoints" / "step_000001"
+    weights = checkpoint / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    for command in (["eval", "--steps", "2", "--samples-per-prompt", "1"], ["generate", "a red circle", "--out", str(tmp_path / "g")]):
+        assert main([*command, "--model", str(tiny_model_dir), "--checkpoint", str(checkpoint)]) == 2
+        err = capsys.readouterr().err
+        assert "model.safetensors does not match its sha256 in the manifest" in err and "Traceback" not in err
+    assert not (tmp_path / "g").exists()
