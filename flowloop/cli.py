@@ -247,14 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("eval", help="GenEval-style accuracy on the shapes world, or a reward over a prompt file "
+    p = sub.add_parser("eval", help="strict and GenEval-style accuracy on the shapes world, with 95% bootstrap intervals, "
+                                    "or a reward over a prompt file "
                                     "(--prompts FILE --reward NAME), at fixed seeds")
     p.add_argument("--split", choices=["train", "heldout"], default="heldout", help="shapes split (without --prompts)")
     p.add_argument("--prompts", default=None, help="a .txt (one prompt per line) or .jsonl prompt file to evaluate instead of the shapes world")
     p.add_argument("--reward", default=None, help="with --prompts: the reward that scores the samples (e.g. jpeg_compressibility, pickscore, module:function)")
     p.add_argument("--reward-kwargs", action="append", default=[], metavar="JSON|KEY=VALUE",
                    help="the reward's kwargs, repeatable: '{\"device\": \"cuda:0\"}' or scale_kb=100")
-    p.add_argument("--json", default=None, help="write the metrics here (shapes: {accuracy, score, per_category, n}; "
+    p.add_argument("--json", default=None, help="write the metrics here (shapes: {accuracy, strict_accuracy, score, "
+                                                "per_category, n, geneval, strict, bootstrap}; "
                                                 "prompts: {val/reward, ..., reward, n})")
     p.add_argument("--grid", default=None, help="also save a PNG grid of the samples here")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="seeds seed..seed+k-1 per prompt; 8 keeps small categories from being noisy")

@@ -9,17 +9,29 @@ from PIL import Image, ImageDraw, ImageFont
 
 
 def print_eval_table(result, title: str = "") -> None:
-    """Print overall and per-category accuracy/score as a table on the terminal."""
+    """Print GenEval-style and strict accuracy and the score per category (with n), then both
+    headlines, the mean over categories and over samples, with their 95% bootstrap intervals."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title or None)
-    for column in ("category", "accuracy", "score", "n"):
+    table = Table(title=title or None, caption="geneval: every constraint met (at least: 'a square' is met by two "
+                  "squares); strict: exactly the objects asked for; [95% bootstrap interval]")
+    for column in ("category", "geneval", "strict", "score", "n"):
         table.add_column(column, justify="left" if column == "category" else "right")
     for name, row in result.per_category.items():
-        table.add_row(name, f"{row['accuracy']:.1%}", f"{row['score']:.3f}", str(row["n"]))
-    table.add_row("overall", f"{result.accuracy:.1%}", f"{result.score:.3f}", str(result.n), style="bold")
+        table.add_row(name, f"{row['accuracy']:.1%}", f"{row['strict_accuracy']:.1%}", f"{row['score']:.3f}", str(row["n"]))
+    table.add_section()
+    geneval, strict = result.geneval, result.strict
+    table.add_row("category mean", _with_ci(geneval.category_mean, geneval.category_mean_ci),
+                  _with_ci(strict.category_mean, strict.category_mean_ci), f"{result.score:.3f}", str(result.n),
+                  style="bold")
+    table.add_row("per-sample mean", _with_ci(geneval.sample_mean, geneval.sample_mean_ci),
+                  _with_ci(strict.sample_mean, strict.sample_mean_ci), "", str(result.n))
     Console().print(table)
+
+
+def _with_ci(value: float, interval: tuple[float, float]) -> str:
+    return f"{value:.1%} [{interval[0]:.1%}, {interval[1]:.1%}]"
 
 
 def save_grid(images: np.ndarray, prompts: list[str], path: str | Path, per_prompt: int, cell: int = 96,

@@ -14,12 +14,32 @@ def test_eval_writes_json_and_grid(tiny_model_dir, tmp_path, capsys):
                  "--json", str(out), "--grid", str(grid)])
     assert code == 0
     result = json.loads(out.read_text())
-    assert set(result) == {"accuracy", "score", "per_category", "n"}
+    assert set(result) == {"accuracy", "strict_accuracy", "score", "per_category", "n", "geneval", "strict", "bootstrap"}
     assert result["n"] == sum(len(shapes.split_prompts("heldout", c)) for c in shapes.CATEGORIES)
     assert set(result["per_category"]) == set(shapes.CATEGORIES)
-    assert 0.0 <= result["accuracy"] <= result["score"] <= 1.0
+    assert 0.0 <= result["strict_accuracy"] <= result["accuracy"] <= result["score"] <= 1.0
     assert Image.open(grid).size[0] > 100
-    assert "overall" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "category mean" in out and "per-sample mean" in out
+
+
+def test_eval_of_the_embedded_model_writes_strict_and_geneval_with_intervals(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--samples-per-prompt", "2", "--steps", "4", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for name in ("geneval", "strict"):
+        figure = result[name]
+        for mean in ("category_mean", "sample_mean"):
+            low, high = figure[f"{mean}_ci"]
+            assert 0.0 <= low <= figure[mean] <= high <= 1.0 and high > low
+    assert result["geneval"]["category_mean"] == result["accuracy"]
+    assert result["strict"]["category_mean"] == result["strict_accuracy"] <= result["accuracy"]
+    assert result["bootstrap"] == {"resamples": 2000, "seed": 0, "confidence": 0.95, "unit": "sample",
+                                   "category_mean": "stratified by category"}
+    for category, row in result["per_category"].items():
+        assert row["n"] == 2 * len(shapes.split_prompts("heldout", category))
+        assert row["strict_accuracy"] <= row["accuracy"]
+    assert "strict" in capsys.readouterr().out
 
 
 def test_generate_writes_pngs(tiny_model_dir, tmp_path):

@@ -4,8 +4,9 @@
 check leaves out: the picture holds exactly the objects the prompt asks for, no surplus.
 "a red circle and a blue square" is met by a picture full of red circles and blue squares, so a
 policy trained on ``shapes`` learns to draw more objects, which then breaks counting prompts;
-``shapes_exact`` takes that shortcut away. Held-out accuracy is measured with the GenEval-style
-verifier whichever reward trains.
+``shapes_exact`` takes that shortcut away; it is `Verdict.strict`, the strict held-out metric, as a
+reward. Held-out accuracy is measured by the verifier (GenEval-style and strict) whichever reward
+trains.
 """
 
 from __future__ import annotations
@@ -44,12 +45,9 @@ def shapes_exact_reward(
     also needs the exact count; both blended by `blend`."""
     verdicts = shapes.verify_batch(images, prompts)
     scores, extra = [], []
-    for verdict, prompt in zip(verdicts, prompts):
-        requested = sum(group.count for group in shapes.parse_prompt(prompt).groups)
-        seen = len(verdict.details["objects"])
+    for verdict in verdicts:
         constraints = verdict.details["constraints"]
-        exact = seen == requested
-        met = sum(constraints.values()) + exact
-        scores.append(blend(met / (len(constraints) + 1), verdict.correct and exact, correct_weight))
-        extra.append({"correct": verdict.correct, "constraints": constraints, "surplus_objects": seen - requested})
+        met = sum(constraints.values()) + verdict.exact_count
+        scores.append(blend(met / (len(constraints) + 1), verdict.strict, correct_weight))
+        extra.append({"correct": verdict.correct, "constraints": constraints, "surplus_objects": verdict.surplus_objects})
     return scores, extra

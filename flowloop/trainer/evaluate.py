@@ -118,7 +118,8 @@ async def _awaited(result):
 def evaluate(model, split: str = "heldout", samples_per_prompt: int = 4, num_steps: int = 40,
              guidance_scale: float = 1.0, seed: int = 0, batch_size: int = 64, progress=None,
              resolution: int | None = None) -> tuple[EvalResult, np.ndarray, list[str]]:
-    """Every prompt of a shapes split at fixed seeds, scored by the verifier; returns (EvalResult, images, prompts)."""
+    """Every prompt of a shapes split at fixed seeds, scored by the verifier (GenEval-style and strict, each with
+    bootstrap intervals); returns (EvalResult, images, prompts)."""
     prompts, categories, seeds = eval_plan(split, samples_per_prompt, seed)
     images = ode_sample(model, prompts, seeds, num_steps, guidance_scale, resolution, batch_size=batch_size, progress=progress)
     result, _ = score_images(images, prompts, categories)

@@ -3,7 +3,7 @@
     rng = np.random.default_rng(0)
     scene = sample_scene(rng, split="train")      # a prompt and a layout that satisfies it
     image = render(scene, size=32)                # uint8 [32, 32, 3]
-    verdict = verify(image, prompt_for(scene))    # Verdict(correct, score, details)
+    verdict = verify(image, prompt_for(scene))    # Verdict(correct, score, surplus_objects, details); .strict
 """
 
 from .prompts import CATEGORIES, SPLITS, all_prompts, category_of, parse_prompt, prompt_for, split_prompts

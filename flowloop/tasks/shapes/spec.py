@@ -60,6 +60,11 @@ class Spec:
             if len(self.groups) != 2:
                 raise ValueError("a relation needs exactly 2 object groups")
 
+    @property
+    def object_count(self) -> int:
+        """How many objects the prompt asks for: "a square" 1, "two triangles and a circle" 3."""
+        return sum(group.count for group in self.groups)
+
     def text(self) -> str:
         """The canonical prompt: `parse_prompt(spec.text()) == spec`."""
         if len(self.groups) == 1:

@@ -1,9 +1,11 @@
 """The shapes world as a task: train prompts from the train split, accuracy on the held-out one.
 
-Validation is GenEval-style: a sample is `correct` when every constraint its prompt states holds
-in the image (read back by `verify`), `score` is the fraction of constraints met, and accuracy
-is the mean over the six categories, so the 135 colour-attribution prompts do not drown the
-single-object ones. The verifier measures accuracy whatever reward the run trains on.
+Two accuracies, both from the verifier (`verify`) whatever reward the run trains on:
+GenEval-style, a sample is `correct` when every constraint its prompt states holds in the image
+(at least: "a square" is met by two squares); `strict`, when it also holds no object beyond those
+asked for. `score` is the fraction of constraints met. The headline is the mean over the six
+categories, so the 135 colour-attribution prompts do not drown the single-object ones; the mean
+over samples and 95% bootstrap intervals of both come with it (`bootstrap.py`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import numpy as np
 
 from flowloop.tasks.base import Grid, draw_uniform, register_task, step_rng
 
+from .bootstrap import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE, Accuracy, bootstrap_accuracy
 from .prompts import CATEGORIES, SPLITS, category_of, parse_prompt, split_prompts
-from .verify import verify
+from .verify import Verdict, verify
 
 PROMPT_SAMPLING = ("uniform", "category_balanced")
 GRID_ROWS_PER_CATEGORY = 8
@@ -27,40 +30,64 @@ GRID_COLUMNS = 4
 
 @dataclass
 class EvalResult:
-    accuracy: float
+    """``geneval`` (every constraint met) and ``strict`` (exactly what was asked) accuracy with
+    intervals; ``score``: mean fraction of constraints met over categories; ``per_category``:
+    ``{category: {accuracy, strict_accuracy, score, n}}``; ``n``: samples."""
+
+    geneval: Accuracy
+    strict: Accuracy
     score: float
     per_category: dict[str, dict[str, float]]
     n: int
 
+    @property
+    def accuracy(self) -> float:
+        """The GenEval-style headline (``val/accuracy``): the mean over categories."""
+        return self.geneval.category_mean
+
+    @property
+    def strict_accuracy(self) -> float:
+        """The strict headline (``val/strict_accuracy``): the mean over categories."""
+        return self.strict.category_mean
+
     def as_dict(self) -> dict:
-        return {"accuracy": self.accuracy, "score": self.score, "per_category": self.per_category, "n": self.n}
+        return {"accuracy": self.accuracy, "strict_accuracy": self.strict_accuracy, "score": self.score,
+                "per_category": self.per_category, "n": self.n,
+                "geneval": self.geneval.as_dict(), "strict": self.strict.as_dict(),
+                "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED, "confidence": CONFIDENCE,
+                              "unit": "sample", "category_mean": "stratified by category"}}
 
 
-def summarize(correct: list[bool], scores: list[float], categories: list[str]) -> EvalResult:
-    """Aggregate per-sample verdicts overall and per category (overall: the mean over categories)."""
+def summarize(verdicts: list[Verdict], categories: list[str]) -> EvalResult:
+    """Aggregate per-sample verdicts overall and per category."""
     by_category = defaultdict(list)
-    for ok, score, category in zip(correct, scores, categories):
-        by_category[category].append((bool(ok), float(score)))
+    for verdict, category in zip(verdicts, categories):
+        by_category[category].append(verdict)
     per_category = {
         name: {
-            "accuracy": float(np.mean([ok for ok, _ in rows])),
-            "score": float(np.mean([score for _, score in rows])),
+            "accuracy": float(np.mean([v.correct for v in rows])),
+            "strict_accuracy": float(np.mean([v.strict for v in rows])),
+            "score": float(np.mean([v.score for v in rows])),
             "n": len(rows),
         }
         for name, rows in sorted(by_category.items())
     }
     return EvalResult(
-        accuracy=float(np.mean([row["accuracy"] for row in per_category.values()])),
+        geneval=bootstrap_accuracy([v.correct for v in verdicts], categories),
+        strict=bootstrap_accuracy([v.strict for v in verdicts], categories),
         score=float(np.mean([row["score"] for row in per_category.values()])),
         per_category=per_category,
-        n=len(correct),
+        n=len(verdicts),
     )
 
 
 def score_images(images: np.ndarray, prompts: list[str], categories: list[str]) -> tuple[EvalResult, list]:
     """Run the verifier on each uint8 ``[H, W, 3]`` image and aggregate overall and per category."""
+    if not len(images) == len(prompts) == len(categories):
+        raise ValueError(f"images, prompts and categories must have the same length, got {len(images)}, "
+                         f"{len(prompts)} and {len(categories)}")
     verdicts = [verify(image, prompt) for image, prompt in zip(images, prompts)]
-    return summarize([v.correct for v in verdicts], [v.score for v in verdicts], categories), verdicts
+    return summarize(verdicts, categories), verdicts
 
 
 def eval_plan(split: str, samples_per_prompt: int, seed: int = 0) -> tuple[list[str], list[str], list[int]]:
@@ -126,13 +153,17 @@ class ShapesTask:
         return rows
 
     def evaluate(self, images: np.ndarray, rows: list[dict]) -> tuple[dict[str, float], Grid]:
-        """``val/accuracy``, ``val/score`` and ``val/<category>/accuracy`` from the verifier; the
-        grid shows the first ``GRID_ROWS_PER_CATEGORY`` samples of each category."""
+        """``val/accuracy``, ``val/strict_accuracy``, ``val/score``, ``val/<category>/accuracy`` and
+        ``val/<category>/strict_accuracy`` from the verifier; the grid shows the first
+        ``GRID_ROWS_PER_CATEGORY`` samples of each category."""
         prompts = [row["raw_prompt"] for row in rows]
         categories = [row.get("category") or category_of(parse_prompt(p)) for row, p in zip(rows, prompts)]
         result, _ = score_images(images, prompts, categories)
-        metrics = {"val/accuracy": result.accuracy, "val/score": result.score}
-        metrics.update({f"val/{name}/accuracy": row["accuracy"] for name, row in result.per_category.items()})
+        metrics = {"val/accuracy": result.accuracy, "val/strict_accuracy": result.strict_accuracy,
+                   "val/score": result.score}
+        for name, row in result.per_category.items():
+            metrics[f"val/{name}/accuracy"] = row["accuracy"]
+            metrics[f"val/{name}/strict_accuracy"] = row["strict_accuracy"]
         starts = {}
         for i, category in enumerate(categories):
             starts.setdefault(category, []).append(i)

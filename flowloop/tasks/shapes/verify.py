@@ -2,7 +2,8 @@
 
 `verify` reads the picture back into objects (`readback.py`) and checks the prompt's constraints
 on them (`constraints.py`). `score` is the fraction of constraints met, a dense reward for RL;
-`correct` is all of them, the GenEval-style accuracy.
+`correct` is all of them, the GenEval-style accuracy ("a square" is met by two squares); `strict`
+also needs exactly the objects asked for, no surplus ("a square" is one square and nothing else).
 """
 
 from dataclasses import dataclass, field
@@ -17,11 +18,24 @@ from .spec import Spec
 
 @dataclass(frozen=True)
 class Verdict:
-    """`details`: "objects" (what was seen) and "constraints" ({name: met}), JSON-serialisable."""
+    """`correct`: every constraint met (GenEval-style). `surplus_objects`: objects seen minus
+    objects asked for (< 0: fewer). `details`: "objects" (what was seen) and "constraints"
+    ({name: met}), JSON-serialisable."""
 
     correct: bool
     score: float
+    surplus_objects: int = 0
     details: dict = field(default_factory=dict)
+
+    @property
+    def exact_count(self) -> bool:
+        """As many objects in the picture as the prompt asks for."""
+        return self.surplus_objects == 0
+
+    @property
+    def strict(self) -> bool:
+        """Exactly what the prompt asks for: every constraint met and no object beyond them."""
+        return self.correct and self.exact_count
 
 
 def verify(image, spec: Spec | str) -> Verdict:
@@ -41,6 +55,7 @@ def verify(image, spec: Spec | str) -> Verdict:
     return Verdict(
         correct=met == len(results),
         score=met / len(results),
+        surplus_objects=len(objects) - spec.object_count,
         details={
             "objects": [o.to_dict() for o in objects],
             "constraints": {name: bool(ok) for name, ok in results},
