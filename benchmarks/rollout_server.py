@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from flowloop.allocator import keep_freed_memory
 from flowloop.compute import run_compute
 from flowloop.models import load_flow_model
 from flowloop.rollout import RolloutEngine, RolloutRequest, RolloutServer, SamplingParams
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--cpu-shards", type=int, default=None,
                         help="RolloutEngine cpu_shards: slices of a batch run side by side (default: one per thread on a CPU with <= 2 threads; 1: off)")
     args = parser.parse_args()
+
+    keep_freed_memory()  # the allocator setting `flowloop` commands run with (flowloop.allocator)
 
     def setup() -> tuple:
         model = load_flow_model(device=args.device, dtype=getattr(torch, args.dtype))

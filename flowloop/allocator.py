@@ -9,8 +9,11 @@ settings below, and about 10% more rollout throughput and 8-10% shorter training
 where memory comes from changes. The cost is that the process keeps its peak heap size until it
 exits.
 
-``FLOWLOOP_MALLOC_TUNING=0`` leaves the allocator alone. Elsewhere than glibc (macOS, musl) this
-is a no-op.
+It changes the whole process, so only entry points opt in: `flowloop.cli.main` calls
+`keep_freed_memory` once for every command (and `benchmarks/rollout_server.py` for its figures);
+no library constructor does. A program that embeds flowloop calls it itself if it wants it.
+``FLOWLOOP_MALLOC_TUNING=0`` leaves the allocator alone even then. Elsewhere than glibc (macOS,
+musl) this is a no-op.
 """
 
 from __future__ import annotations

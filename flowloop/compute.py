@@ -11,6 +11,12 @@ instead of each starting its own, and a caller that puts its other torch work he
 `flowloop train` the main thread also stacks batches and updates the actor, so two teams remain
 there; moving only the update here made no measurable difference. On a GPU the thread costs
 nothing: kernels are queued from whichever thread.
+
+Nothing here runs on import or changes another thread's settings: the compute thread starts on
+first use, and shard threads (each with its own intra-op thread count) only for an engine built
+with ``cpu_shards`` other than 1, which `flowloop train` asks for through
+``rollout.server.cpu_shards`` (auto by default). Process-wide thread counts are the entry
+point's to set (``trainer.num_threads``, applied in the recipe's ``setup``).
 """
 
 from __future__ import annotations

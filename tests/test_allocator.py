@@ -11,7 +11,9 @@ from flowloop.allocator import keep_freed_memory
 
 PROBE = r"""
 import json, resource, sys, torch
-from flowloop.rollout import RolloutEngine  # its constructor applies the tuning
+from flowloop.allocator import keep_freed_memory
+applied = keep_freed_memory()  # what `flowloop` commands do first (flowloop.cli.main)
+from flowloop.rollout import RolloutEngine
 from flowloop.models import load_flow_model
 from flowloop.tasks import shapes
 model = load_flow_model()
@@ -32,8 +34,7 @@ with torch.no_grad():
             out = dit(*x)
         rounds.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4)
     faults = min(rounds)  # steady state: the quietest round
-from flowloop.allocator import keep_freed_memory
-print(json.dumps({"applied": keep_freed_memory(), "faults": faults, "out": out.flatten()[::97].tolist()}))
+print(json.dumps({"applied": applied, "faults": faults, "out": out.flatten()[::97].tolist()}))
 """
 
 

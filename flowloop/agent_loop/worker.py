@@ -3,6 +3,10 @@ reward worker, and stacks the rows into the output `Batch` of DESIGN.md "Contrac
 
 One class for both modes: locally the manager holds the object, in Ray mode a Ray actor runs
 it; the rollout replicas and reward workers it is given are objects or actor handles alike.
+
+Once every unfinished row of a call is waiting on a rollout replica, no more requests of that
+call can come, so the worker flushes them (`RolloutServer.flush`): the replica runs them at once,
+as batches of their own, instead of waiting out ``rollout.server.max_wait_ms`` for more.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import logging
 import time
 from typing import Any
 
@@ -24,7 +29,9 @@ from flowloop.models.base import is_sequence_embedding_key
 from flowloop.protocol import Batch, pad_to_length, to_object_array
 from flowloop.reward.worker import RewardSample
 from flowloop.rollout.client import RolloutClient
-from flowloop.rollout.types import SamplingParams
+from flowloop.rollout.types import RolloutRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 ROW_INDEX_KEY = "global_row_index"
 """Non-tensor column: a row's index in the trainer's full batch (seeds depend on it, not on
@@ -107,18 +114,23 @@ class AgentLoopWorker:
             agent_loop_config(name)
         # 3. One task per row; each streams its sample to a reward worker when it is done.
         hidden = (AGENT_NAME_KEY, ROW_INDEX_KEY)
+        gate = _FlushingClient(self.client, len(batch))
         tasks = []
         for i, row_index in enumerate(row_indices):
             row = {key: column[i] for key, column in batch.non_tensors.items() if key not in hidden}
             row_params = dataclasses.replace(params, seed=row_seed(base_seed, seed_step, row_index))
-            tasks.append(asyncio.create_task(self._run_row(names[i], row_params, row, row_index)))
+            tasks.append(asyncio.create_task(self._run_row(names[i], row_params, row, row_index, gate)))
         results = await _gather_or_cancel(tasks)
         # 4. Pad and stack.
         return self._postprocess(batch, results, row_indices)
 
-    async def _run_row(self, agent_name: str, params: SamplingParams, row: dict, row_index: int):
-        loop = instantiate_agent_loop(agent_name, client=self.client, tokenizer=self.tokenizer)
-        output: AgentLoopOutput = await loop.run(params, **row)
+    async def _run_row(self, agent_name: str, params: SamplingParams, row: dict, row_index: int,
+                       client: _FlushingClient):
+        loop = instantiate_agent_loop(agent_name, client=client, tokenizer=self.tokenizer)
+        try:
+            output: AgentLoopOutput = await loop.run(params, **row)
+        finally:
+            client.row_done()
         reward_info: dict[str, Any] = {}
         if self.reward_workers and output.reward_score is None:
             start = time.perf_counter()
@@ -200,6 +212,50 @@ class AgentLoopWorker:
             else:
                 stacked[key] = _stack(key, values)  # e.g. all_latents [bsz, W+1, C, H, W]
         return stacked
+
+
+class _FlushingClient:
+    """The client the rows of one `generate_sequences` call share: `RolloutClient.generate`, plus
+    a flush of the waiting requests whenever every unfinished row is waiting on a replica."""
+
+    def __init__(self, client: RolloutClient, rows: int):
+        self.client = client
+        self.live = rows
+        self.waiting: list[str] = []
+        self.flushed: set[str] = set()
+        self.flushing: set[asyncio.Task] = set()
+
+    async def generate(self, request: RolloutRequest):
+        self.waiting.append(request.request_id)
+        # Checked once this step has handed the request to a replica (`RolloutClient.generate`
+        # sends it before its first await), and after the other rows ready to run have done so.
+        asyncio.get_running_loop().call_soon(self._maybe_flush)
+        try:
+            return await self.client.generate(request)
+        finally:
+            self.waiting.remove(request.request_id)
+            self.flushed.discard(request.request_id)
+
+    def row_done(self) -> None:
+        self.live -= 1
+        self._maybe_flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)  # abort, outstanding, ... as the client has them
+
+    def _maybe_flush(self) -> None:
+        fresh = [i for i in self.waiting if i not in self.flushed]
+        if not fresh or len(self.waiting) < self.live:
+            return
+        self.flushed.update(fresh)
+        task = asyncio.get_running_loop().create_task(self.client.flush(fresh))
+        self.flushing.add(task)
+        task.add_done_callback(self._flush_done)
+
+    def _flush_done(self, task: asyncio.Task) -> None:
+        self.flushing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the requests still run, on the clock
+            logger.warning("flushing rollout requests failed: %r", task.exception())
 
 
 class _RowNamer:

@@ -79,15 +79,15 @@ class ServerConfig:
     max_batch_size: int = 16
     """Most requests one engine call samples together; 16 fills a CPU without long queues."""
     max_wait_ms: float = 5.0
-    """How long the oldest queued request waits for its batch to fill; 5 ms is noise next to a
-    sampling call. Results can move in the last bits with batch size (matmul kernels): wait
-    longer than requests take to arrive to get the same batches, hence bitwise-equal runs."""
+    """How long the oldest queued request waits for its batch to fill when no caller has flushed
+    it. Agent-loop workers flush their rows as soon as all of them are waiting on the replica
+    (`RolloutServer.flush`), so a step's batches do not wait on this clock; it bounds the wait
+    for requests sent any other way."""
     cpu_shards: Optional[int] = None
     """On a CPU, a batch of at least 16 rows runs as up to this many slices side by side, each
     on its share of the intra-op threads (a slice has 8 rows or more; `RolloutEngine`). None:
-    one single-thread slice per intra-op thread when there are at most 2 (25% shorter sampling
-    in `flowloop train` on 2 cores), none on larger CPUs, where it measured slower; 1: off.
-    Ignored on a GPU. Results do not change."""
+    one single-thread slice per intra-op thread when there are at most 2, none on larger CPUs
+    (measurements: docs/lab-notebook.md); 1: off. Ignored on a GPU. Results do not change."""
 
 
 @dataclass

@@ -96,9 +96,12 @@ class TrainerConfig:
     seed: int = 0
     """Seeds prompt sampling and the optimizer's initial state; rollouts use ``rollout.seed``."""
     tensorboard: bool = False
-    """Also write TensorBoard event files into the run folder."""
+    """Also write TensorBoard event files into the run folder: the step metrics and the validation grids."""
     wandb: bool = False
-    """Also log to wandb (extra ``wandb``); the run id is kept for resume."""
+    """Also log to wandb (extra ``wandb``): the step metrics, validation grids as images, and this
+    whole config; the run id is kept for resume."""
+    wandb_project: str = "flowloop"
+    """The wandb project the run is logged under (``trainer.wandb=true``)."""
     num_threads: Optional[int] = None
     """torch intra-op threads; None keeps torch's default (all cores)."""
 

@@ -55,6 +55,18 @@ class RolloutClient:
             output.metrics["retries"] = float(len(tried))
             return output
 
+    async def flush(self, request_ids: Sequence[str]) -> None:
+        """Tell each replica that these of its requests (routed by this client, still in flight)
+        are a complete batch: it runs them without waiting out its ``max_wait_ms``
+        (`RolloutServer.flush`). Ids this client did not route, or no longer has, are ignored."""
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self._routed.get(request_id)
+            if index is not None:
+                by_replica.setdefault(index, []).append(request_id)
+        for index, ids in by_replica.items():
+            await _call(self.replicas[index], "flush", ids)
+
     async def abort(self, request_id: str) -> bool:
         """Abort a request on the replica it was routed to; False if this client has none such."""
         index = self._routed.get(request_id)

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flowloop.allocator import keep_freed_memory
 from flowloop.compute import shard_executor
 from flowloop.models.base import FlowModel, SchedulerShift
 from flowloop.models.prompt_ids import encode_chat
@@ -97,15 +96,17 @@ class _Record:
 class RolloutEngine:
     """Batched sampling over a `FlowModel`: ``sample(requests) -> [DiffusionOutput]``."""
 
-    def __init__(self, model: FlowModel, cpu_shards: int | None = None):
+    def __init__(self, model: FlowModel, cpu_shards: int | None = 1):
         """``cpu_shards``: on a CPU, run a batch as up to this many slices side by side, each on
-        its own share of the intra-op threads (`flowloop.compute.shard_executor`); a slice
-        gets at least ``MIN_SHARD_ROWS`` rows. None: one slice per intra-op thread on a CPU
-        with at most ``AUTO_SHARD_MAX_THREADS`` of them, else none; 1: never slice. A row's
-        result does not depend on the slicing (batch invariance)."""
+        its own share of the intra-op threads (`flowloop.compute.shard_executor`, which starts
+        threads of its own); a slice gets at least ``MIN_SHARD_ROWS`` rows. 1 (the default):
+        never slice, start no threads. None: one slice per intra-op thread on a CPU with at most
+        ``AUTO_SHARD_MAX_THREADS`` of them, else none (what ``rollout.server.cpu_shards`` gives
+        `flowloop train` by default). A row's result does not depend on the slicing (batch
+        invariance). The engine changes nothing process-wide; `flowloop.allocator` is the
+        caller's to opt into."""
         if cpu_shards is not None and (isinstance(cpu_shards, bool) or not isinstance(cpu_shards, int) or cpu_shards < 1):
             raise ValueError(f"cpu_shards must be None (auto) or an int >= 1, got {cpu_shards!r}")
-        keep_freed_memory()  # batch activations reuse heap pages instead of faulting in new ones
         self.model = model
         self.cpu_shards = cpu_shards
         self._empty_prompt_ids = encode_chat(model.tokenizer, [{"role": "user", "content": ""}])  # the unconditional prompt

@@ -4,13 +4,21 @@ Four parts, as in vLLM's engine core:
 
 - intake (`generate`): validate the request (a bad one fails only its own call), queue it under
   its ``sampling_params.batch_key()``, await its future;
-- scheduler (one asyncio task, started lazily in the running loop on the first `generate`): take
-  the group whose oldest request waited longest; run it when it holds ``max_batch_size``
-  requests or its oldest request has waited ``max_wait_ms``;
+- scheduler (one asyncio task, started lazily in the running loop on the first `generate`): first
+  the requests a caller has flushed (`flush`: "these are all of my batch"), as soon as every one of
+  them is queued, as batches of their own; otherwise the group whose oldest request waited
+  longest, when it holds ``max_batch_size`` requests or its oldest request has waited
+  ``max_wait_ms``;
 - executor: `RolloutEngine.sample` off the event loop, so intake never stalls; one batch at a
   time, on the process's compute thread (`flowloop.compute`) unless the server is given its own
   executor;
 - output: each future gets its `DiffusionOutput`, with ``queue_time`` added to its metrics.
+
+A caller that knows its batch is complete calls `flush` with its request ids, so the batch runs
+without waiting out ``max_wait_ms`` and holds exactly those requests whichever order they arrive
+in: `AgentLoopWorker` does so once every unfinished row of a `generate_sequences` call is waiting
+on a replica. With a long ``max_wait_ms`` and a ``max_batch_size`` above any caller's batch, the
+flushes alone form the batches, so two runs batch the same rows without depending on timing.
 
 Lifecycle: `abort(request_id)` cancels a request (its caller gets `asyncio.CancelledError`; a
 request already running finishes with its batch and its result is dropped), `pause()` waits for
@@ -23,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -35,6 +44,10 @@ from flowloop.rollout.types import DiffusionOutput, RolloutRequest, StaleWeights
 
 __all__ = ["RolloutServer"]
 
+FLUSH_EXPIRY_S = 600.0
+"""A flush whose requests have not all arrived after this long is forgotten (one may have gone to
+another replica); its queued requests run by the usual rules meanwhile anyway."""
+
 
 @dataclass
 class _Pending:
@@ -42,6 +55,13 @@ class _Pending:
     future: asyncio.Future
     arrival: float
     """``time.perf_counter()`` at intake."""
+
+
+@dataclass
+class _Flush:
+    request_ids: list[str]
+    """Not yet taken into a batch, in the caller's order."""
+    created: float
 
 
 class RolloutServer:
@@ -90,6 +110,19 @@ class RolloutServer:
             return await pending.future
         finally:
             self._outstanding.pop(request.request_id, None)
+
+    async def flush(self, request_ids: Iterable[str]) -> None:
+        """Run these requests as soon as every one of them is queued, as batches of their own (in
+        the order given, ``max_batch_size`` at most each), without waiting for ``max_wait_ms``.
+        Ids may arrive after the flush; one already running or finished is left out, and one that
+        is aborted no longer holds the others back."""
+        self._start()
+        queued = {p.request.request_id for queue in self._queues.values() for p in queue}
+        taken = {i for i in self._outstanding if i not in queued}  # running, or done and not yet collected
+        ids = [i for i in dict.fromkeys(request_ids) if i not in taken]
+        if ids:
+            self._flushes.append(_Flush(ids, time.perf_counter()))
+            self._wakeup.set()
 
     @property
     def num_outstanding(self) -> int:
@@ -185,6 +218,7 @@ class RolloutServer:
         self._loop = loop
         self._queues: dict[tuple, deque[_Pending]] = {}
         self._outstanding: dict[str, _Pending] = {}
+        self._flushes: list[_Flush] = []
         self._wakeup = asyncio.Event()
         self._batch_task: asyncio.Task | None = None
         self._scheduler = loop.create_task(self._schedule(), name="rollout-scheduler")
@@ -196,17 +230,22 @@ class RolloutServer:
             await asyncio.shield(self._batch_task)  # stop() cancels the scheduler, not the batch
 
     async def _next_batch(self) -> list[_Pending]:
-        """Wait for a full batch, or for the oldest request's ``max_wait_ms`` to run out."""
+        """Wait for a flushed batch whose requests are all queued, a full batch, or for the oldest
+        request's ``max_wait_ms`` to run out."""
         while True:
             self._drop_cancelled()
             timeout = None
             if self._queues and not self._paused:
+                batch = self._flushed_batch()
+                if batch:
+                    return batch
                 key, queue = min(self._queues.items(), key=lambda item: item[1][0].arrival)
                 waited = time.perf_counter() - queue[0].arrival
                 if len(queue) >= self.max_batch_size or waited >= self.max_wait_s:
                     batch = [queue.popleft() for _ in range(min(self.max_batch_size, len(queue)))]
                     if not queue:
                         del self._queues[key]
+                    self._forget_flushed(batch)
                     return batch
                 timeout = self.max_wait_s - waited
             self._wakeup.clear()
@@ -215,13 +254,42 @@ class RolloutServer:
             except TimeoutError:
                 pass
 
+    def _flushed_batch(self) -> list[_Pending]:
+        """The first flush whose requests are all queued: its first ``max_batch_size`` requests
+        of one batch key (the rest stay flushed and queued, so they come next)."""
+        queued = {p.request.request_id: p for queue in self._queues.values() for p in queue}
+        now = time.perf_counter()
+        self._flushes = [f for f in self._flushes if f.request_ids and now - f.created < FLUSH_EXPIRY_S]
+        for flush in self._flushes:
+            if all(i in queued for i in flush.request_ids):
+                key = queued[flush.request_ids[0]].request.sampling_params.batch_key()
+                batch = [queued[i] for i in flush.request_ids if queued[i].request.sampling_params.batch_key() == key]
+                batch = batch[:self.max_batch_size]
+                taken = {id(p) for p in batch}
+                self._queues[key] = deque(p for p in self._queues[key] if id(p) not in taken)
+                if not self._queues[key]:
+                    del self._queues[key]
+                self._forget_flushed(batch)
+                return batch
+        return []
+
+    def _forget_flushed(self, batch: list[_Pending]) -> None:
+        """Requests taken into a batch no longer belong to any flush."""
+        ids = {p.request.request_id for p in batch}
+        for flush in self._flushes:
+            flush.request_ids = [i for i in flush.request_ids if i not in ids]
+
     def _drop_cancelled(self) -> None:
+        dropped = []
         for key in list(self._queues):
+            dropped += [p for p in self._queues[key] if p.future.done()]
             queue = deque(p for p in self._queues[key] if not p.future.done())
             if queue:
                 self._queues[key] = queue
             else:
                 del self._queues[key]
+        if dropped:
+            self._forget_flushed(dropped)
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         start = time.perf_counter()

@@ -61,7 +61,7 @@ def sample(model, prompts: list[str], seeds: list[int], num_steps: int = 40, gui
     params = dict(height=height, width=width, num_frames=num_frames, num_inference_steps=num_steps,
                   guidance_scale=guidance_scale, sampler="ode", logprobs=False)
     ids = [prompt_ids(model, p) for p in prompts]  # every prompt checked before any sampling
-    engine = RolloutEngine(model)
+    engine = RolloutEngine(model, cpu_shards=None)  # slices on a small CPU, as `flowloop train` does
     out = []
     for start in range(0, len(prompts), batch_size):
         requests = [RolloutRequest(f"eval-{i}", ids[i], SamplingParams(**params, seed=int(seeds[i])))

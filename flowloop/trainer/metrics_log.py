@@ -1,5 +1,6 @@
 """Where a run's numbers go: ``metrics.jsonl`` always, TensorBoard and wandb when asked, and a
-live progress line on the terminal.
+live progress line on the terminal. Validation grids go to TensorBoard (``add_image``) and wandb
+(``wandb.Image``) as images (`MetricsLogger.log_image`); the PNG files stay in the run folder.
 
 ``metrics.jsonl`` has one JSON object per step, ``{"step": N, "time": unix_seconds, ...}``,
 flushed as it is written; nested dicts are flattened with ``/`` (``{"eval": {"accuracy": x}}``
@@ -23,15 +24,20 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
+from PIL import Image
 from tqdm import tqdm
 
 from flowloop.extras import require
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "ProgressLine", "flatten_metrics", "read_metrics"]
+__all__ = ["DEFAULT_WANDB_PROJECT", "METRICS_FILE", "MetricsLogger", "ProgressLine", "flatten_metrics", "read_metrics"]
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+RUN_CONFIG_FILE = "config.yaml"
+"""The resolved run config the recipe writes into the run folder before logging starts."""
+DEFAULT_WANDB_PROJECT = "flowloop"
 
 
 class MetricsLogger:
@@ -39,7 +45,10 @@ class MetricsLogger:
 
     ``tensorboard=True``: events in ``run_dir/tensorboard`` (needs the ``tensorboard`` extra).
     ``wandb=True``: a wandb run (needs the ``wandb`` extra) whose id is kept in
-    ``run_dir/wandb_id.txt`` so a resumed run continues it; ``wandb_init`` goes to ``wandb.init``.
+    ``run_dir/wandb_id.txt`` so a resumed run continues it. Its config is ``config``, else the
+    run folder's ``config.yaml`` (the resolved `TrainConfig`); its project is
+    ``wandb_init["project"]``, else that config's ``trainer.wandb_project``, else "flowloop";
+    the rest of ``wandb_init`` goes to ``wandb.init`` too.
     ``resume_step``: the step of the checkpoint this run resumes from (None for a new run: then
     ``metrics.jsonl`` must not exist yet).
     """
@@ -79,7 +88,9 @@ class MetricsLogger:
             id_file = self.run_dir / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.exists() else wandb_module.util.generate_id()
             id_file.write_text(run_id)
-            init = {"name": self.run_dir.name, "dir": str(self.run_dir), "config": dict(config or {})}
+            config = dict(config) if config is not None else _run_config(self.run_dir)
+            project = config.get("trainer", {}).get("wandb_project") or DEFAULT_WANDB_PROJECT
+            init = {"project": project, "name": self.run_dir.name, "dir": str(self.run_dir), "config": config}
             init.update(wandb_init or {})
             self._wandb = wandb_module.init(id=run_id, resume="allow", **init)
         self._file = open(self.path, "a", encoding="utf-8")
@@ -97,6 +108,24 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(flat, step=int(step))
         return flat
+
+    def log_image(self, step: int, tag: str, image: str | os.PathLike | np.ndarray) -> None:
+        """Send one image (a PNG/JPEG path, or uint8 ``[H, W, 3]``) to TensorBoard and wandb under
+        ``tag`` at ``step``; ``metrics.jsonl`` holds numbers only, so it is not written there."""
+        if self._tensorboard is None and self._wandb is None:
+            return
+        if isinstance(image, (str, os.PathLike)):
+            with Image.open(image) as opened:
+                image = np.asarray(opened.convert("RGB"))
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"image {tag!r} must be uint8 [H, W, 3], got {image.dtype} {tuple(image.shape)}")
+        if self._tensorboard is not None:
+            self._tensorboard.add_image(tag, image, global_step=int(step), dataformats="HWC")
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Image(image)}, step=int(step))
 
     def close(self) -> None:
         """Flush and close every backend (idempotent)."""
@@ -235,6 +264,12 @@ def _truncate_after(path: Path, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _run_config(run_dir: Path) -> dict:
+    """The run folder's resolved config as a dict; empty when there is none."""
+    path = run_dir / RUN_CONFIG_FILE
+    return (yaml.safe_load(path.read_text(encoding="utf-8")) or {}) if path.is_file() else {}
 
 
 def _clock(seconds: float) -> str:

@@ -237,6 +237,7 @@ class RLRecipe:
         images = to_uint8_images(responses[:, 0] if responses.ndim == 5 else responses)
         metrics, grid = self.task.evaluate(images, with_rewards(rows, out))
         path = save_grid(grid.images, grid.captions, self.run_dir / "grids" / f"step_{step:06d}.png", per_prompt=grid.per_row)
+        self.metrics_log.log_image(step, "val/grid", path)  # TensorBoard and wandb, when on
         metrics["time/validate"] = time.perf_counter() - start
         self.log(f"step {step}: {self.val_metric} {metrics[self.val_metric]:.4f} over {len(rows)} samples; grid {path}")
         return metrics

@@ -19,8 +19,9 @@ def managers():
     model = load_flow_model()
     config = small_config(resolution=32, steps=4, agent=AgentConfig(num_workers=2, agent_loop_config_path=str(EXAMPLE_YAML)))
     # The engine's matmuls round differently at some batch sizes (3 vs 13 rows: ~2e-5 after 4
-    # steps), so both modes must batch the same rows: wait for whole batches, not for the clock.
-    config.server = ServerConfig(max_batch_size=16, max_wait_ms=300.0)
+    # steps), so both modes must batch the same rows: each worker flushes its own rows as one batch
+    # (`RolloutServer.flush`), and neither a full batch nor the (one-minute) clock starts one first.
+    config.server = ServerConfig(max_batch_size=64, max_wait_ms=60_000.0)
     local = AgentLoopManager.create(config, model)
     remote = AgentLoopManager.create(config, model, mode="ray")
     yield local, remote

@@ -204,3 +204,23 @@ def test_multi_turn_loop_from_outside_the_package_via_yaml(model):
 def test_prompts_cover_the_helpers_vocabulary():
     for prompt in PROMPTS:  # a typo here would fail every test above for the wrong reason
         shapes.parse_prompt(prompt)
+
+
+def test_each_worker_flushes_its_rows_as_one_batch(model):
+    """No clock and no full batch: two workers on one server each get their rows run as soon as
+    all of them are waiting on it (`RolloutServer.flush`), as a batch of their own."""
+    config = dataclasses.replace(small_config(reward=None), prompt_length=16, max_sequence_length=16)
+
+    async def main():
+        server = RolloutServer(RolloutEngine(model), max_batch_size=64, max_wait_ms=60_000)
+        workers = [AgentLoopWorker(config, model.tokenizer, [server]) for _ in range(2)]
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(workers[0].generate_sequences(prompt_batch(2)),
+                                                         workers[1].generate_sequences(prompt_batch(1))), 60)
+            return outs, server.metrics()
+        finally:
+            await server.stop()
+
+    (a, b), metrics = asyncio.run(main())
+    assert (len(a), len(b)) == (8, 4)
+    assert metrics["num_batches"] == 2 and metrics["max_batch_size_seen"] == 8 and metrics["max_queue_time_s"] < 30

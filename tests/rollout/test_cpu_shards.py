@@ -57,11 +57,21 @@ def test_bad_cpu_shards_is_a_value_error(model, value):
 
 
 @pytest.mark.parametrize("threads, slices", [(2, 2), (AUTO_SHARD_MAX_THREADS + 2, 1)])
-def test_by_default_only_small_cpus_slice(model, threads, slices):
+def test_auto_slices_only_on_small_cpus(model, threads, slices):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        outputs = RolloutEngine(model).sample(mixed_requests(model, 4 * MIN_SHARD_ROWS))
+        outputs = RolloutEngine(model, cpu_shards=None).sample(mixed_requests(model, 4 * MIN_SHARD_ROWS))
     finally:
         torch.set_num_threads(before)
     assert outputs[0].metrics["cpu_shards"] == float(slices)
+
+
+def test_an_engine_starts_no_threads_unless_asked(model):
+    """The library default is one slice: no shard pool, nothing process-wide touched."""
+    before = {t.name for t in threading.enumerate()}
+    threads = torch.get_num_threads()
+    outputs = RolloutEngine(model).sample(mixed_requests(model, 4 * MIN_SHARD_ROWS))
+    assert outputs[0].metrics["cpu_shards"] == 1.0
+    assert torch.get_num_threads() == threads
+    assert not {t.name for t in threading.enumerate()} - before - {"flowloop-compute_0"}

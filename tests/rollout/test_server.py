@@ -5,6 +5,9 @@ import pytest
 from flowloop.rollout import RolloutServer
 from tests.rollout.helpers import mixed_requests, request
 
+NEVER_MS = 600_000.0
+"""A ``max_wait_ms`` no test waits out: batches run only when full or flushed."""
+
 
 async def _until(condition, timeout=10.0):
     """Poll the event loop until ``condition()`` holds (the engine runs in a worker thread)."""
@@ -42,13 +45,57 @@ def test_incompatible_requests_run_in_separate_batches(engine, model):
         r.request_id = f"m{k}"
 
     async def main():
-        server = RolloutServer(engine, max_batch_size=16, max_wait_ms=50)
-        outputs = await asyncio.gather(*(server.generate(r) for r in requests))
+        server = RolloutServer(engine, max_batch_size=16, max_wait_ms=NEVER_MS)
+        calls = [asyncio.create_task(server.generate(r)) for r in requests]
+        await server.flush([r.request_id for r in requests])
+        outputs = await asyncio.wait_for(asyncio.gather(*calls), 60)
         return outputs, server.metrics()
 
     outputs, metrics = asyncio.run(main())
     assert [o.log_probs.shape[0] for o in outputs] == [2] * 8
     assert metrics["num_batches"] == 2 and metrics["mean_batch_size"] == 4
+
+
+def test_a_flush_runs_exactly_its_requests_whenever_they_arrive(engine, model):
+    """No clock: each flush becomes its own batch once all of its requests are queued, even when
+    the flush comes first (Ray may deliver it first) and requests of another flush sit between."""
+    requests = mixed_requests(model, 7)
+    first, second = [r.request_id for r in requests[:4]], [r.request_id for r in requests[4:]]
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=16, max_wait_ms=NEVER_MS)
+        await server.flush(first)
+        calls = [asyncio.create_task(server.generate(r)) for r in requests[::2]]  # r0 r2 r4 r6
+        await asyncio.sleep(0.05)
+        assert server.metrics()["num_batches"] == 0  # r1, r3 still missing; r4, r6 not flushed
+        calls += [asyncio.create_task(server.generate(r)) for r in requests[1::2]]
+        await server.flush(second)
+        outputs = await asyncio.wait_for(asyncio.gather(*calls), 60)
+        return {o.request_id: o for o in outputs}, server.metrics()
+
+    outputs, metrics = asyncio.run(main())
+    assert metrics["num_batches"] == 2
+    assert [outputs[i].metrics["batch_size"] for i in first + second] == [4.0] * 4 + [3.0] * 3
+
+
+def test_an_aborted_request_does_not_hold_its_flush_back(engine, model):
+    requests = mixed_requests(model, 3)
+
+    async def main():
+        server = RolloutServer(engine, max_batch_size=16, max_wait_ms=NEVER_MS)
+        calls = [asyncio.create_task(server.generate(r)) for r in requests[::2]]  # r1 never arrives
+        await asyncio.sleep(0)
+        await server.flush([r.request_id for r in requests])
+        await asyncio.sleep(0.05)
+        assert server.metrics()["num_batches"] == 0
+        calls.append(asyncio.create_task(server.generate(requests[1])))
+        await asyncio.sleep(0)
+        server.abort(requests[1].request_id)
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60), server.metrics()
+
+    (a, c, b), metrics = asyncio.run(main())
+    assert isinstance(b, asyncio.CancelledError) and a.metrics["batch_size"] == c.metrics["batch_size"] == 2.0
+    assert metrics["num_batches"] == 1
 
 
 def test_a_bad_request_fails_only_its_own_call(engine, model):

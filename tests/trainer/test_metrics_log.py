@@ -72,6 +72,44 @@ def test_tensorboard_events_are_written(tmp_path):
     assert events.Scalars("eval/accuracy")[0].value == 0.25
 
 
+def test_validation_grids_go_to_tensorboard_as_images(tmp_path):
+    pytest.importorskip("tensorboard")
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    grid = np.zeros((24, 40, 3), dtype=np.uint8)
+    grid[:, :20, 0] = 255
+    Image.fromarray(grid).save(tmp_path / "grid.png")
+    with MetricsLogger(tmp_path / "run", tensorboard=True) as log:
+        log.log_image(0, "val/grid", tmp_path / "grid.png")  # the PNG the recipe saves
+        log.log_image(2, "val/grid", grid)
+        with pytest.raises(ValueError, match="uint8"):
+            log.log_image(3, "val/grid", grid.astype(np.float32))
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert "val/grid" in events.Tags()["images"]
+    images = events.Images("val/grid")
+    assert [(e.step, e.width, e.height) for e in images] == [(0, 40, 24), (2, 40, 24)]
+    decoded = np.asarray(Image.open(io.BytesIO(images[0].encoded_image_string)).convert("RGB"))
+    assert np.array_equal(decoded, grid)
+
+
+def test_wandb_gets_the_run_config_project_and_grids(tmp_path, monkeypatch):
+    """Offline (no network, no account); runs only where wandb is installed."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("trainer:\n  wandb_project: my-project\n  seed: 3\n")
+    with MetricsLogger(run_dir, wandb=True) as log:
+        run = log._wandb
+        assert run.project == "my-project" and run.config["trainer"]["seed"] == 3
+        log.log(1, {"reward": 0.5})
+        log.log_image(1, "val/grid", np.zeros((8, 8, 3), dtype=np.uint8))
+    assert (run_dir / "wandb_id.txt").read_text().strip() == run.id
+    assert wandb.run is None
+
+
 def test_progress_line_shows_step_reward_accuracy_time_and_eta():
     out = io.StringIO()
     line = ProgressLine(total_steps=10, start_step=2, file=out)

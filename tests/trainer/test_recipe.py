@@ -22,11 +22,13 @@ def brightness(images, prompts, metadata):
 
 
 def tiny_config(model_dir, run_root, *overrides):
+    """A run of 8 rows a step that equal runs batch alike: the agent-loop worker flushes its rows
+    to the server (`RolloutServer.flush`), and no batch ever runs on the (one-minute) clock."""
     return load_config(TrainConfig, [
         f"model.path={model_dir}", f"trainer.run_root={run_root}", "rollout.pipeline.height=16", "rollout.pipeline.width=16",
         "rollout.pipeline.num_inference_steps=4", "rollout.val_kwargs.pipeline={num_inference_steps: 4}",
         "rollout.algo.sde_window_size=2", "rollout.algo.sde_window_range=[0,3]", "rollout.n=4", "data.prompts_per_step=2",
-        "rollout.server.max_wait_ms=200", "actor.micro_batch_size=4", "actor.mini_batch_size=4", "actor.lr=1e-3",
+        "rollout.server.max_wait_ms=60000", "actor.micro_batch_size=4", "actor.mini_batch_size=4", "actor.lr=1e-3",
         "actor.kl_coef=0.04", "trainer.val_samples_per_category=2", "trainer.val_every=2", "trainer.save_every=2",
         "trainer.keep_last=null", "rollout.reward.name=test_brightness", *overrides,
     ])
@@ -38,7 +40,7 @@ def metrics(run_dir):
 
 
 def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tmp_path):
-    summary = run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2"), log=lambda _: None)
+    summary = run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2", "trainer.tensorboard=true"), log=lambda _: None)
     rows = metrics(tmp_path / "shapes")
     trained = [r for r in rows if "rollout_correction/max" in r]
     assert len(trained) == 2
@@ -53,6 +55,12 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
     after = load_file(tmp_path / "shapes" / "checkpoints" / "step_000002" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert summary["val_metric"] == "val/accuracy" and summary["before"] is not None and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "shapes" / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("val/grid")] == [0, 2]  # the validation grids, as images
+    assert [e.step for e in events.Scalars("val/accuracy")] == [0, 2]
 
 
 def test_the_old_log_prob_pass_gives_the_rollouts_log_probs(tiny_model_dir, tmp_path):
