@@ -5,8 +5,8 @@ the shapes verifier, and asks again (a new turn, a new seed) until the image is 
 ``max_attempts`` is reached. The trajectory it returns, the one the trainer learns from, is the
 last attempt's; ``attempt_scores`` (a non-tensor column) records how each attempt did.
 
-Use it with ``agent.agent_loop_config_path=examples/agent_loops/agent_loops.yaml`` and an
-``agent_name`` column of ``retry_until_correct`` (or ``agent.default_agent_loop``), run from the
+Use it with ``rollout.agent.agent_loop_config_path=examples/agent_loops/agent_loops.yaml`` and an
+``agent_name`` column of ``retry_until_correct`` (or ``rollout.agent.default_agent_loop``), run from the
 repository root so that ``examples`` is importable.
 """
 

@@ -1,5 +1,5 @@
 """Agent loops by name: ``@register_agent_loop("single_turn")`` inside flowloop, or a YAML file
-for loops defined anywhere else (``agent.agent_loop_config_path``):
+for loops defined anywhere else (``rollout.agent.agent_loop_config_path``):
 
     - name: retry_until_correct
       _target_: examples.agent_loops.retry.RetryUntilCorrectAgentLoop
@@ -39,7 +39,7 @@ def load_agent_loop_configs(path: str | Path) -> list[str]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"agent.agent_loop_config_path={str(path)!r} does not exist")
+        raise FileNotFoundError(f"rollout.agent.agent_loop_config_path={str(path)!r} does not exist")
     entries = OmegaConf.load(path)
     if not isinstance(entries, ListConfig):
         raise ValueError(f"{path} must hold a YAML list of {{name, _target_, ...}} entries")
@@ -59,7 +59,7 @@ def agent_loop_config(name: str) -> dict[str, Any]:
     if name not in _AGENT_LOOPS:
         raise ValueError(
             f"unknown agent loop {name!r}; registered agent loops: {registered_agent_loops()}. "
-            "Register one with @register_agent_loop or a YAML file in agent.agent_loop_config_path."
+            "Register one with @register_agent_loop or a YAML file in rollout.agent.agent_loop_config_path."
         )
     return _AGENT_LOOPS[name]
 

@@ -63,3 +63,24 @@ def test_diffusion_nft_trains_on_each_family(family, tmp_path):
     assert 0 <= step["actor/nft_r_mean"] <= 1 and step["actor/grad_norm"] > 0
     assert "rollout_correction/max" not in step
     assert (tmp_path / "runs" / cfg.trainer.run_name / "checkpoints" / "step_000001" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwen_image"])
+def test_the_reward_switches_on_the_command_line(family):
+    """A recipe holds no reward-specific kwargs, so ``rollout.reward.name=ocr`` alone builds, and
+    the PickScore folder comes from the command line when asked."""
+    from flowloop.reward.registry import build_reward
+
+    recipe = [DEFAULT_RECIPE.parent / f"{family}.yaml"]
+    ocr = load_config(TrainConfig, ["rollout.reward.name=ocr"], recipe)
+    assert ocr.rollout.reward.kwargs == {} and callable(build_reward(ocr.rollout.reward.name, ocr.rollout.reward.kwargs))
+    pick = load_config(TrainConfig, ["rollout.reward.kwargs.model_path=/models/PickScore_v1"], recipe)
+    assert (pick.rollout.reward.name, pick.rollout.reward.kwargs) == ("pickscore", {"model_path": "/models/PickScore_v1"})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_recipes_are_sized_for_one_gpu(family):
+    """The shipped real-model recipes sample at most 128 images (or 16 videos) a step on one device."""
+    cfg = load_config(TrainConfig, [], [DEFAULT_RECIPE.parent / f"{family}.yaml"])
+    assert cfg.scale.mode == "local"
+    assert cfg.data.prompts_per_step * cfg.rollout.n <= (16 if family == "wan" else 128)
