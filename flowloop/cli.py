@@ -1,13 +1,15 @@
 """`flowloop` command line: train, eval, generate, export, plot, pretrain, serve-reward.
 
 Each command prints what it does, shows a progress bar on long work, and turns bad input
-into a one-line error (exit code 2) that names the field and the fix.
+into a one-line error (exit code 2) that names the field and the fix (`main`; ``--debug`` shows
+the traceback instead). Output paths are checked before any work, so no result is lost to them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +19,14 @@ from flowloop.config import recipe_names, recipe_path
 
 DEFAULT_SEED = 0
 DEFAULT_RECIPE = recipe_path(DEFAULT_RECIPE_NAME)
+
+
+def _positive(value: str) -> int:
+    """argparse type: an int >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
 
 
 def _progress(total: int, desc: str):
@@ -84,15 +94,36 @@ def cmd_plot(args) -> None:
 def _load_model(args):
     from flowloop.models import load_flow_model, load_trained_weights
 
-    model = load_flow_model(args.model)
-    return load_trained_weights(model, args.checkpoint) if args.checkpoint else model
+    try:
+        model = load_flow_model(args.model)
+    except Exception as err:
+        raise unreadable_weights(err, f"--model {args.model or '(the embedded model)'}") from err
+    try:
+        return load_trained_weights(model, args.checkpoint) if args.checkpoint else model
+    except Exception as err:
+        raise unreadable_weights(err, f"--checkpoint {args.checkpoint}") from err
+
+
+def unreadable_weights(err: Exception, where: str) -> Exception:
+    """A safetensors read error (a truncated or corrupt file) as a ValueError naming ``where``;
+    any other error as it is."""
+    unreadable = type(err).__name__ == "SafetensorError" or (isinstance(err, OSError) and "Unable to load weights" in str(err))
+    if not unreadable:
+        return err
+    cause = err.__cause__ or err.__context__
+    detail = f"{type(cause).__name__}: {cause}" if cause is not None else str(err)
+    return ValueError(f"{where}: a weights file cannot be read ({detail}): it looks truncated or corrupt; copy it again")
 
 
 def cmd_generate(args) -> None:
     from flowloop.trainer.evaluate import sample
 
-    model = _load_model(args)
+    if not args.prompt.strip():
+        raise ValueError('the prompt is empty: pass the text to draw, e.g. flowloop generate "a red circle" --out samples')
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder for the samples (it is made if missing)")
+    model = _load_model(args)
     seeds = [args.seed + k for k in range(args.num)]
     bar, update = _progress(args.num, "generate")
     try:  # a prompt or size the model cannot take fails before any sampling
@@ -133,6 +164,7 @@ def cmd_eval(args) -> None:
     from flowloop.trainer.evaluate import evaluate
     from flowloop.visual import print_eval_table, save_grid
 
+    _check_output_files(args)
     model = _load_model(args)
     total = len(eval_plan(args.split, args.samples_per_prompt)[0])
     bar, update = _progress(total, f"eval {args.split}")
@@ -153,6 +185,7 @@ def _eval_prompt_file(args) -> None:
     (``val/reward`` and the reward's numeric extras) over every prompt at fixed seeds."""
     from flowloop.reward.registry import build_reward
     from flowloop.reward.serve import parse_kwargs
+    from flowloop.reward.worker import RewardFailedError
     from flowloop.tasks import PromptFileTask, load_prompt_file
     from flowloop.trainer.evaluate import first_frames, sample, score_rows, to_uint8_images
     from flowloop.visual import save_grid
@@ -160,6 +193,7 @@ def _eval_prompt_file(args) -> None:
     if not (args.prompts and args.reward):
         raise ValueError("--prompts FILE and --reward NAME go together: the samples of a prompt file are scored by a "
                          "reward (a registered name such as jpeg_compressibility, or module:function)")
+    _check_output_files(args)
     prompts = load_prompt_file(args.prompts, "--prompts")
     reward_fn = build_reward(args.reward, parse_kwargs(args.reward_kwargs))  # a bad name fails before the model loads
     task = PromptFileTask(prompts, prompts)
@@ -172,13 +206,25 @@ def _eval_prompt_file(args) -> None:
                          args.resolution, args.resolution, args.num_frames, progress=update)
     finally:
         bar.close()
-    metrics, grid = task.evaluate(to_uint8_images(first_frames(samples)), score_rows(reward_fn, samples, rows))
+    try:
+        scored = score_rows(reward_fn, samples, rows)
+    except Exception as err:
+        raise RewardFailedError(f"--reward {args.reward} failed: {type(err).__name__}: {err}; a reward returns (scores: one "
+                                "float per sample, extra_info: one dict per sample)") from err
+    metrics, grid = task.evaluate(to_uint8_images(first_frames(samples)), scored)
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}")
     _write_json(args.json, {**metrics, "reward": args.reward, "n": len(rows)})
     if args.grid:
         save_grid(grid.images, grid.captions, args.grid, per_prompt=grid.per_row)
         print(f"wrote {args.grid}")
+
+
+def _check_output_files(args) -> None:
+    """``--json`` and ``--grid`` name files: checked before the evaluation runs, not after."""
+    for flag, path in (("--json", args.json), ("--grid", args.grid)):
+        if path and Path(path).is_dir():
+            raise ValueError(f"{flag} {path} is a folder; pass a file path, e.g. {Path(path) / ('eval.json' if flag == '--json' else 'grid.png')}")
 
 
 def _write_json(path: str | None, values: dict) -> None:
@@ -236,13 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample images (PNG) or videos (GIF) for one prompt, any model family")
     p.add_argument("prompt")
     p.add_argument("--out", required=True, help="folder for the files")
-    p.add_argument("--num", type=int, default=4, help="samples to make (seeds seed..seed+num-1)")
+    p.add_argument("--num", type=_positive, default=4, help="samples to make (seeds seed..seed+num-1)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    p.add_argument("--steps", type=int, default=40, help="ODE steps")
+    p.add_argument("--steps", type=_positive, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0)
-    p.add_argument("--resolution", type=int, default=None, help=resolution_help)
-    p.add_argument("--num-frames", type=int, default=None, help=frames_help)
-    p.add_argument("--upscale", type=int, default=None, help="nearest-neighbour upscale of the saved files (default: 4 below 128 pixels, else 1)")
+    p.add_argument("--resolution", type=_positive, default=None, help=resolution_help)
+    p.add_argument("--num-frames", type=_positive, default=None, help=frames_help)
+    p.add_argument("--upscale", type=_positive, default=None, help="nearest-neighbour upscale of the saved files (default: 4 below 128 pixels, else 1)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.set_defaults(func=cmd_generate)
@@ -259,11 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "per_category, n, geneval, strict, bootstrap}; "
                                                 "prompts: {val/reward, ..., reward, n})")
     p.add_argument("--grid", default=None, help="also save a PNG grid of the samples here")
-    p.add_argument("--samples-per-prompt", type=int, default=8, help="seeds seed..seed+k-1 per prompt; 8 keeps small categories from being noisy")
-    p.add_argument("--steps", type=int, default=40, help="ODE steps")
+    p.add_argument("--samples-per-prompt", type=_positive, default=8, help="seeds seed..seed+k-1 per prompt; 8 keeps small categories from being noisy")
+    p.add_argument("--steps", type=_positive, default=40, help="ODE steps")
     p.add_argument("--guidance-scale", type=float, default=1.0)
-    p.add_argument("--resolution", type=int, default=None, help=resolution_help)
-    p.add_argument("--num-frames", type=int, default=None, help=frames_help)
+    p.add_argument("--resolution", type=_positive, default=None, help=resolution_help)
+    p.add_argument("--num-frames", type=_positive, default=None, help=frames_help)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
@@ -278,7 +324,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=64, help="most samples one reward call scores (across requests)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="how long a batch waits to fill with other requests' samples")
     p.set_defaults(func=cmd_serve_reward)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     return parser
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What bad input, files or services raise: one line and exit code 2, not a traceback."""
+    import yaml
+
+    from flowloop.reward.worker import RewardFailedError
+    from flowloop.trainer.losses import NonFiniteLossError
+
+    return ValueError, OSError, yaml.YAMLError, RewardFailedError, NonFiniteLossError
+
+
+def one_line(err: BaseException, limit: int = 600) -> str:
+    """The error as one line: quoted values over 500 characters (a whole prompt, say) are cut."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    text = re.sub(r"'[^']{500,}'|\"[^\"]{500,}\"", lambda m: f"{m.group(0)[:80]}...{m.group(0)[0]} ({len(m.group(0)) - 2} chars)", text)
+    if not isinstance(err, ValueError):
+        text = f"{type(err).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars; --debug shows all)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,12 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()  # for every command's torch work, the trainer's updates included
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"flowloop {args.command}: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"flowloop {args.command}: interrupted", file=sys.stderr)
         return 130
+    except user_errors() as err:
+        if args.debug:
+            raise
+        print(f"flowloop {args.command}: error: {one_line(err)}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
-from flowloop.trainer.metrics_log import CATEGORY_PREFIX, accuracy_key, category_names, read_metrics
+from flowloop.trainer.metrics_log import CATEGORY_PREFIX, accuracy_key, category_names
 
 
 def category_training_series(rows: list[dict], window: int = 10) -> dict[str, tuple[list[int], list[float]]]:
@@ -45,6 +47,22 @@ def rollout_sampler_and_objective(run_dir: Path) -> tuple[str, str]:
     return "ODE" if noise_free else sampler.upper(), str(OmegaConf.select(cfg, "actor.objective", default="flow_grpo"))
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl``. A torn last line (a run killed mid-write) is skipped
+    with a warning; an unreadable line before it is a ValueError naming the line."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1) if line.strip()]
+    rows = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if index == len(lines) - 1:
+                logging.getLogger(__name__).warning("%s: skipped the torn last line %d (a run stopped mid-write)", path, number)
+                continue
+            raise ValueError(f"{path} line {number} is not JSON ({line[:40]!r}...); remove that line and plot again") from None
+    return rows
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write a two-panel PNG (training accuracy by category per step; held-out accuracy by
     category per validation, same colours) and return its path."""
@@ -57,7 +75,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: point flowloop plot at a run folder made by flowloop train")
-    rows = read_metrics(run_dir)
+    rows = read_rows(path)
     train = [r for r in rows if r.get("reward/mean") is not None]
     val = [r for r in rows if r.get("val/accuracy") is not None]
     by_category = category_training_series(train)

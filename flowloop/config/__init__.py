@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ def load_config(schema: type[T], overrides: list[str] = (), yaml_files: list[str
         for path in yaml_files:
             if not Path(path).is_file():
                 raise ValueError(f"config file {path} does not exist")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            cfg = OmegaConf.merge(cfg, _load_yaml(path))
         bad = [item for item in overrides if "=" not in item]
         if bad:
             raise ValueError(f"override {bad[0]!r} is not of the form key=value (keys: {', '.join(_field_names(schema))})")
@@ -63,6 +63,22 @@ def load_config(schema: type[T], overrides: list[str] = (), yaml_files: list[str
     if check is not None:
         check()
     return result
+
+
+def _load_yaml(path: str | Path):
+    """A YAML file as an OmegaConf mapping; malformed YAML is a ValueError naming the file and line."""
+    import yaml
+
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"config file {path} is not valid YAML ({problem} at{where or ' an unknown place'}); fix that line") from None
+    if not isinstance(loaded, DictConfig):
+        raise ValueError(f"config file {path} must hold a mapping of keys (e.g. 'actor: {{lr: 1e-5}}'), got a {type(loaded).__name__}")
+    return loaded
 
 
 def to_yaml(config) -> str:

@@ -16,6 +16,8 @@ from flowloop.config.scale import ScaleConfig
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 RESUME_MODES = ("never", "auto")
+GROUP_ESTIMATORS = ("grpo", "global_std", "drgrpo")
+"""Advantage estimators that compare a sample with the other samples of its prompt's group."""
 
 
 @dataclass
@@ -146,6 +148,10 @@ class TrainConfig:
         for key, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{key} must be > 0, got {value}")
+        if self.rollout.n == 1 and self.advantage.estimator in GROUP_ESTIMATORS:
+            raise ValueError(f"rollout.n=1 with advantage.estimator={self.advantage.estimator}: each group holds one sample, so "
+                             "every advantage is 0 and nothing trains; set rollout.n >= 2 (8 is usual), or "
+                             "advantage.estimator=per_prompt (compares each prompt with its own earlier samples)")
         if not self.rollout.calculate_log_probs:
             raise ValueError("rollout.calculate_log_probs must be true for training: the update needs the recorded latents")
 

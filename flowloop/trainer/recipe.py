@@ -35,6 +35,7 @@ from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
 from flowloop.trainer.checkpoint import (
     capture_rng_state, describe_weights, load_checkpoint, new_run_dir, resolve_resume, restore_rng_state, save_checkpoint,
 )
+from flowloop.trainer.config_check import check_sampling
 from flowloop.trainer.evaluate import to_uint8_images, with_rewards
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
 from flowloop.trainer.metrics_log import CATEGORY_PREFIX, METRICS_FILE, MetricsLogger, ProgressLine
@@ -51,6 +52,7 @@ class RLRecipe:
 
     def __init__(self, cfg: TrainConfig, log=print):
         cfg.validate()
+        check_sampling(cfg.rollout)
         self.cfg = cfg
         self.log = log
         self.start_step = 0
@@ -109,7 +111,13 @@ class RLRecipe:
     def _build(self, checkpoint: Path | None) -> None:
         cfg = self.cfg
         # 2. Trainer ranks and rollout replicas (one local worker, or Ray actors), agent loops, rewards.
-        self.group = WorkerGroup.create(cfg)
+        try:
+            self.group = WorkerGroup.create(cfg)
+        except Exception as err:
+            if type(err).__name__ != "SafetensorError":
+                raise
+            raise ValueError(f"model.path={cfg.model.path}: a weights file cannot be read ({err}): it looks truncated "
+                             "or corrupt; copy the model folder again") from err
         local = self.group.local_worker
         model = local.model if local is not None else SimpleNamespace(**self.group.describe())
         self.manager = AgentLoopManager.create(cfg.rollout, model, mode=cfg.scale.mode, replicas=self.group.replicas)
