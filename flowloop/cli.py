@@ -187,6 +187,7 @@ def _eval_prompt_file(args) -> None:
     from flowloop.reward.serve import parse_kwargs
     from flowloop.reward.worker import RewardFailedError
     from flowloop.tasks import PromptFileTask, load_prompt_file
+    from flowloop.tasks.prompt_file import prompt_caption
     from flowloop.trainer.evaluate import first_frames, sample, score_rows, to_uint8_images
     from flowloop.visual import save_grid
 
@@ -202,7 +203,7 @@ def _eval_prompt_file(args) -> None:
     model = _load_model(args)
     bar, update = _progress(len(rows), f"eval {Path(args.prompts).name}")
     try:
-        samples = sample(model, [row["raw_prompt"] for row in rows], seeds, args.steps, args.guidance_scale,
+        samples = sample(model, [prompt_caption(row["raw_prompt"]) for row in rows], seeds, args.steps, args.guidance_scale,
                          args.resolution, args.resolution, args.num_frames, progress=update)
     finally:
         bar.close()

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
 import torch
 
 from flowloop.agent_loop.actors import call, check_mode, is_remote, make_actor, wait_ready
@@ -108,7 +109,9 @@ class AgentLoopManager:
         ``reward_dropped_rows`` (rows removed by the ``drop_group`` policy).
         """
         start = time.perf_counter()
-        # 1. Every row knows its place in the full batch, so its seed does not depend on the split.
+        # 1. verl's column names and arrays; every row knows its place in the full batch, so its
+        #    seed does not depend on the split.
+        batch = verl_columns(batch)
         added_index = ROW_INDEX_KEY not in batch
         if added_index:
             batch = Batch(batch.tensors, dict(batch.non_tensors), batch.meta_info)
@@ -167,6 +170,33 @@ class AgentLoopManager:
 
                 ray.kill(handle)
         self._loop.close()
+
+
+NEGATIVE_PROMPT_COLUMNS = ("negative_prompt", "raw_negative_prompt")
+"""The negative-prompt columns read: flowloop's, and verl's name for it (renamed on the way in)."""
+
+
+def verl_columns(batch: Batch) -> Batch:
+    """A batch as verl hands it over, in flowloop's columns: ``raw_negative_prompt`` becomes
+    ``negative_prompt``; chat messages given as numpy object arrays (``np.array(messages,
+    dtype=object)``, one row of message dicts per prompt) become lists. Any other column whose
+    name says negative prompt is an error rather than silently unused."""
+    columns = dict(batch.non_tensors)
+    unknown = [k for k in columns if "neg" in k.lower() and k not in NEGATIVE_PROMPT_COLUMNS]
+    if unknown:
+        raise ValueError(f"column(s) {unknown} look like a negative prompt but are not read; name it "
+                         f"'negative_prompt' (or verl's 'raw_negative_prompt')")
+    if "raw_negative_prompt" in columns:
+        if "negative_prompt" in columns:
+            raise ValueError("the batch has both 'negative_prompt' and 'raw_negative_prompt'; keep one")
+        columns["negative_prompt"] = columns.pop("raw_negative_prompt")
+    for key in ("raw_prompt", "negative_prompt"):
+        values = columns.get(key)
+        if values is not None and any(isinstance(v, np.ndarray) for v in values):
+            columns[key] = [list(v) if isinstance(v, np.ndarray) else v for v in values]
+    if columns.keys() == batch.non_tensors.keys() and all(columns[k] is batch.non_tensors[k] for k in columns):
+        return batch
+    return Batch.from_dict(dict(batch.tensors.items()), columns, batch.meta_info)
 
 
 def apply_failure_policy(batch: Batch, policy: str) -> Batch:

@@ -7,7 +7,10 @@ first ``data.val_train_prompts`` training prompts, and reports the run's reward 
 Two formats, chosen by the suffix: ``.txt`` (one prompt per line; blank lines and lines starting
 with ``#`` are skipped) and ``.jsonl`` (one object per line with a ``prompt`` string; other
 fields are kept, so a reward can read, say, the text an OCR prompt quotes, and a ``category``
-field splits the training reward by category in ``metrics.jsonl``). Errors name the file
+field splits the training reward by category in ``metrics.jsonl``). A verl dataset's rows work
+as they are: ``prompt`` as chat messages (``[{"role": "user", "content": ...}]``, kept as such
+for the chat template), ``data_source`` (route rewards with ``by_data_source``),
+``reward_model``, ``extra_info`` and ``raw_negative_prompt`` are carried to the reward. Errors name the file
 and the line, so a broken line in a 50k-prompt file is found at once.
 """
 
@@ -43,13 +46,31 @@ def load_prompt_file(path: str | Path, key: str = "data.prompt_file") -> list[di
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
-            raise ValueError(f"{path}:{number}: each line must be an object with a non-empty \"prompt\" string")
-        fields = {k: v for k, v in record.items() if k != "prompt"}
-        rows.append({"raw_prompt": record["prompt"].strip(), **fields})
+        fields = {k: v for k, v in record.items() if k != "prompt"} if isinstance(record, dict) else {}
+        rows.append({"raw_prompt": _prompt(record, path, number), **fields})
     if not rows:
         raise ValueError(f"{key}={path}: the file holds no prompts")
     return rows
+
+
+def _prompt(record, path: Path, number: int) -> str | list[dict]:
+    """A JSON line's ``prompt``: a non-empty string, or verl's chat messages."""
+    prompt = record.get("prompt") if isinstance(record, dict) else None
+    if isinstance(prompt, str) and prompt.strip():
+        return prompt.strip()
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+        return prompt
+    raise ValueError(f"{path}:{number}: each line must be an object with a non-empty \"prompt\": a string, or chat "
+                     "messages [{\"role\": \"user\", \"content\": \"...\"}] as in verl's datasets")
+
+
+def prompt_caption(raw_prompt: str | list[dict]) -> str:
+    """The text to show for a prompt: a string as is, chat messages by their last user message."""
+    if isinstance(raw_prompt, str):
+        return raw_prompt
+    users = [m["content"] for m in raw_prompt if m.get("role") == "user"]
+    return users[-1] if users else str(raw_prompt[-1].get("content", ""))
 
 
 class PromptFileTask:
@@ -91,7 +112,7 @@ class PromptFileTask:
         scores = np.array([row["reward"] for row in rows], dtype=np.float32)  # [V]
         metrics = {"val/reward": float(np.nanmean(scores)), **{f"val/{k}": v for k, v in reward_extra_means(rows).items()}}
         shown = min(len(rows), GRID_ROWS)
-        return metrics, Grid(images[:shown], [row["raw_prompt"] for row in rows[:shown]], per_row=1)
+        return metrics, Grid(images[:shown], [prompt_caption(row["raw_prompt"]) for row in rows[:shown]], per_row=1)
 
 
 register_task("prompt_file")(PromptFileTask.from_config)
