@@ -157,8 +157,8 @@ class RLRecipe:
                 self.history.append({"step": step, **{k: v for k, v in metrics.items() if k.startswith("val/")}})
                 progress.update(step, metrics["reward/mean"], metrics.get(self.val_metric), metrics["time/step"])
                 try:
-                    if "actor/skipped_nonfinite" in metrics:
-                        self.guard.record(metrics["actor/skipped_nonfinite"], step)
+                    if self.updated:  # a step whose groups were all dropped made no update to judge
+                        self.guard.record(metrics.get("actor/skipped_nonfinite", 0), step)
                 except NonFiniteLossError:
                     self.save(step)  # skipped steps left the weights finite; save() checks
                     progress.close()
@@ -191,6 +191,7 @@ class RLRecipe:
         result = compute_advantages(self.cfg.advantage.estimator, rewards, out["uid"],
                                     drop_zero_std_groups=self.cfg.advantage.drop_zero_std_groups, **options)
         keep = result.keep.nonzero().flatten()
+        self.updated = bool(len(keep))
         # 4. Update the actor on the kept rows; 5. the replicas sample with the new weights next.
         if len(keep):
             metrics.update(self.group.update(out[keep.tolist()], result.advantages[keep], self.generator))

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from flowloop.cli import main
 from flowloop.reward.registry import register_reward
+from flowloop.trainer.advantages import register_advantage
 from flowloop.trainer.losses import NonFiniteLossError
 from flowloop.trainer.recipe import RLRecipe, run
 from tests.trainer.test_recipe import brightness, metrics, tiny_config
@@ -86,3 +87,23 @@ def test_eval_and_generate_refuse_a_corrupted_checkpoint(tiny_model_dir, tmp_pat
         err = capsys.readouterr().err
         assert "model.safetensors does not match its sha256 in the manifest" in err and "Traceback" not in err
     assert not (tmp_path / "g").exists()
+
+
+@register_advantage("test_nan")
+def nan_advantages(rewards, groups):
+    return torch.full_like(rewards, float("nan"))
+
+
+def test_repeated_non_finite_steps_stop_with_a_checkpoint_of_unchanged_weights(tiny_model_dir, tmp_path):
+    """NaN advantages: every update is skipped, the third in a row stops the run, and the checkpoint
+    it leaves holds the base weights bit for bit (nothing non-finite reached them)."""
+    logged = []
+    with pytest.raises(NonFiniteLossError, match="3 updates in a row"):
+        run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=6", "trainer.save_every=10",
+                        "advantage.estimator=test_nan"), log=logged.append)
+    assert sorted(p.name for p in (tmp_path / "shapes" / "checkpoints").iterdir()) == ["step_000003"]
+    base = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    saved = load_file(tmp_path / "shapes" / "checkpoints" / "step_000003" / "model.safetensors")
+    assert saved.keys() <= base.keys() and all(torch.equal(saved[k], base[k]) for k in saved)
+    assert any("Resume with trainer.resume=auto and a lower actor.lr" in line for line in logged)
+    assert [r["step"] for r in metrics(tmp_path / "shapes")] == [0, 1, 2, 3]
