@@ -337,14 +337,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from flowloop.reward.worker import RewardFailedError
     from flowloop.trainer.losses import NonFiniteLossError
 
-    return ValueError, OSError, yaml.YAMLError, RewardFailedError, NonFiniteLossError
+    return ValueError, OSError, ImportError, yaml.YAMLError, RewardFailedError, NonFiniteLossError
 
 
 def one_line(err: BaseException, limit: int = 600) -> str:
     """The error as one line: quoted values over 500 characters (a whole prompt, say) are cut."""
     text = " ".join(str(err).split()) or type(err).__name__
     text = re.sub(r"'[^']{500,}'|\"[^\"]{500,}\"", lambda m: f"{m.group(0)[:80]}...{m.group(0)[0]} ({len(m.group(0)) - 2} chars)", text)
-    if not isinstance(err, ValueError):
+    if not isinstance(err, (ValueError, ImportError)):
         text = f"{type(err).__name__}: {text}"
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars; --debug shows all)"
 

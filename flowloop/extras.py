@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 
-EXTRAS = {"ray": "ray", "peft": "peft", "wandb": "wandb", "pytesseract": "ocr", "tensorboard": "tensorboard"}
+EXTRAS = {"ray": "ray", "peft": "peft", "wandb": "wandb", "pytesseract": "ocr", "tensorboard": "tensorboard", "pyarrow": "parquet"}
 """Module name -> the flowloop extra that installs it."""
 
 

@@ -4,7 +4,8 @@
 first ``data.val_train_prompts`` training prompts, and reports the run's reward on them
 (``val/reward``, plus the mean of each numeric extra the reward returns).
 
-Two formats, chosen by the suffix: ``.txt`` (one prompt per line; blank lines and lines starting
+Three formats, chosen by the suffix: ``.parquet`` (verl's dataset files, one row per prompt with
+the same fields as a JSON line; needs ``pyarrow``, the ``parquet`` extra), ``.txt`` (one prompt per line; blank lines and lines starting
 with ``#`` are skipped) and ``.jsonl`` (one object per line with a ``prompt`` string; other
 fields are kept, so a reward can read, say, the text an OCR prompt quotes, and a ``category``
 field splits the training reward by category in ``metrics.jsonl``). A verl dataset's rows work
@@ -23,7 +24,7 @@ import numpy as np
 
 from flowloop.tasks.base import Grid, draw_uniform, register_task, reward_extra_means, step_rng
 
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl", ".parquet")
 GRID_ROWS = 32
 """Validation samples shown in the grid, one per row."""
 
@@ -32,9 +33,17 @@ def load_prompt_file(path: str | Path, key: str = "data.prompt_file") -> list[di
     """Rows ``{"raw_prompt": str, **fields}`` from ``path``; ``key`` names the setting in errors."""
     path = Path(path)
     if path.suffix not in SUFFIXES:
-        raise ValueError(f"{key}={path}: the suffix must be one of {list(SUFFIXES)} (one prompt per line, or JSON lines)")
+        raise ValueError(f"{key}={path}: the suffix must be one of {list(SUFFIXES)} (one prompt per line, JSON lines, or verl's parquet)")
     if not path.is_file():
-        raise FileNotFoundError(f"{key}={path}: no such file; give a local .txt (one prompt per line) or .jsonl file")
+        raise FileNotFoundError(f"{key}={path}: no such file; give a local .txt (one prompt per line), .jsonl or .parquet file")
+    if path.suffix == ".parquet":
+        from flowloop.extras import require
+
+        records = require("pyarrow.parquet", "a .parquet prompt file").read_table(path).to_pylist()
+        rows = [_row(record, path, number) for number, record in enumerate(records, start=1)]
+        if not rows:
+            raise ValueError(f"{key}={path}: the file holds no prompts")
+        return rows
     rows = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip() or (path.suffix == ".txt" and line.lstrip().startswith("#")):
@@ -46,11 +55,16 @@ def load_prompt_file(path: str | Path, key: str = "data.prompt_file") -> list[di
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-        fields = {k: v for k, v in record.items() if k != "prompt"} if isinstance(record, dict) else {}
-        rows.append({"raw_prompt": _prompt(record, path, number), **fields})
+        rows.append(_row(record, path, number))
     if not rows:
         raise ValueError(f"{key}={path}: the file holds no prompts")
     return rows
+
+
+def _row(record, path: Path, number: int) -> dict:
+    """A JSON line or parquet row as ``{"raw_prompt": ..., **other fields}``."""
+    fields = {k: v for k, v in record.items() if k != "prompt"} if isinstance(record, dict) else {}
+    return {"raw_prompt": _prompt(record, path, number), **fields}
 
 
 def _prompt(record, path: Path, number: int) -> str | list[dict]:

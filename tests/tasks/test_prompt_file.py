@@ -19,7 +19,7 @@ def test_txt_and_jsonl_rows(tmp_path):
 def test_bad_files_name_the_file_and_line(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"data.prompt_file=.*missing.txt: no such file"):
         load_prompt_file(tmp_path / "missing.txt")
-    with pytest.raises(ValueError, match=r"suffix must be one of \['.txt', '.jsonl'\]"):
+    with pytest.raises(ValueError, match=r"suffix must be one of \['.txt', '.jsonl', '.parquet'\]"):
         load_prompt_file(tmp_path / "prompts.csv")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: each line must be an object with a non-empty \"prompt\""):

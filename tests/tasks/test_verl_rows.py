@@ -27,11 +27,22 @@ def verl_row(text: str, source: str, **extra) -> dict:
             "reward_model": {"style": "rule", "ground_truth": text}, "extra_info": {"index": 0}, **extra}
 
 
-def test_a_verl_jsonl_with_two_data_sources_trains_with_a_reward_each(tiny_model_dir, tmp_path):
-    rows = [verl_row(t, "shapes_a", category="shapes_a") for t in ("a red circle", "two squares")]
+def write_rows(rows: list[dict], path):
+    if path.suffix == ".parquet":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_verl_file_with_two_data_sources_trains_with_a_reward_each(tiny_model_dir, tmp_path, suffix):
+    rows = [verl_row(t, "shapes_a", category="shapes_a", raw_negative_prompt=None) for t in ("a red circle", "two squares")]
     rows += [verl_row(t, "shapes_b", category="shapes_b", raw_negative_prompt="a square") for t in ("a triangle", "three circles")]
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / f"train{suffix}"
+    write_rows(rows, path)
     loaded = load_prompt_file(path)
     assert loaded[0]["raw_prompt"] == [{"role": "user", "content": "a red circle"}] and loaded[0]["data_source"] == "shapes_a"
     run(tiny_config(tiny_model_dir, tmp_path / "runs", "trainer.total_steps=3", f"data.prompt_file={path}",
