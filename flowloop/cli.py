@@ -80,6 +80,8 @@ def cmd_train(args) -> None:
 def cmd_export(args) -> None:
     from flowloop.trainer.export import export
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file; pass a new folder for the exported files")
     written = export(args.source, args.out, model_path=args.model)
     for kind, path in written.items():
         print(f"{kind}: {path}")
@@ -88,6 +90,8 @@ def cmd_export(args) -> None:
 def cmd_plot(args) -> None:
     from flowloop.plot import plot_run
 
+    if args.out and Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a folder; pass a PNG path, e.g. {Path(args.out) / 'curve.png'}")
     print(f"wrote {plot_run(args.run_dir, args.out)}")
 
 

@@ -79,6 +79,10 @@ def test_output_paths_are_checked_before_any_work(tiny_model_dir, tmp_path, caps
     assert f"--out {a_file} is a file" in one_line_error(capsys)
     assert main(["eval", "--json", str(tmp_path), "--model", str(tiny_model_dir), "--steps", "2"]) == 2
     assert f"--json {tmp_path} is a folder" in one_line_error(capsys)
+    assert main(["export", str(tmp_path), "--out", str(a_file)]) == 2
+    assert f"--out {a_file} is a file" in one_line_error(capsys)
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a folder" in one_line_error(capsys)
 
 
 def test_empty_prompt_zero_resolution_and_a_huge_prompt(tiny_model_dir, tmp_path, capsys):
