@@ -56,7 +56,7 @@ def make_config(family: str, args, mode: str):
         f"rollout.pipeline.height={size}", f"rollout.pipeline.width={size}", "rollout.pipeline.num_inference_steps=10",
         "rollout.algo.sde_window_size=2", "rollout.algo.sde_window_range=[0,5]",
         f"actor.micro_batch_size={args.micro_batch}", f"actor.mini_batch_size={rows}",
-        f"rollout.server.max_batch_size={rows}", "rollout.reward.name=jpeg_compressibility",
+        f"rollout.server.max_batch_size={rows}", f"rollout.server.max_wait_ms={args.max_wait_ms}", "rollout.reward.name=jpeg_compressibility",
         f"scale.mode={mode}", f"scale.gpus_per_node={1 if mode == 'ray' and not args.tiny else 0}",
     ], [recipe])
     cfg.rollout.reward.kwargs = {}  # the recipe's reward model path belongs to its own reward
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--n", type=int, default=8, help="group size")
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--max-wait-ms", type=float, default=250.0, help="rollout.server.max_wait_ms (the default)")
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny configs on the CPU (checks the script)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -78,11 +78,14 @@ class ServerConfig:
 
     max_batch_size: int = 16
     """Most requests one engine call samples together; 16 fills a CPU without long queues."""
-    max_wait_ms: float = 5.0
+    max_wait_ms: float = 250.0
     """How long the oldest queued request waits for its batch to fill when no caller has flushed
     it. Agent-loop workers flush their rows as soon as all of them are waiting on the replica
-    (`RolloutServer.flush`), so a step's batches do not wait on this clock; it bounds the wait
-    for requests sent any other way."""
+    (`RolloutServer.flush`), so a step's batches form on the flush, not on this clock; it bounds
+    the wait for requests sent any other way. It must outlast the spread of one worker's requests
+    reaching a replica: through Ray, after an update, 16 rows took more than 50 ms to arrive, and
+    a clock that fires first splits the step's batch (measured with benchmarks/scale_gpu.py --tiny:
+    two batches of 8 at 50 ms, one of 16 at 250 ms)."""
     cpu_shards: Optional[int] = None
     """On a CPU, a batch of at least 16 rows runs as up to this many slices side by side, each
     on its share of the intra-op threads (a slice has 8 rows or more; `RolloutEngine`). None:
