@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -26,6 +27,14 @@ def _positive(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _finite(value: str) -> float:
+    """argparse type: a finite float."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
     return number
 
 
@@ -290,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num", type=_positive, default=4, help="samples to make (seeds seed..seed+num-1)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--steps", type=_positive, default=40, help="ODE steps")
-    p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--guidance-scale", type=_finite, default=1.0)
     p.add_argument("--resolution", type=_positive, default=None, help=resolution_help)
     p.add_argument("--num-frames", type=_positive, default=None, help=frames_help)
     p.add_argument("--upscale", type=_positive, default=None, help="nearest-neighbour upscale of the saved files (default: 4 below 128 pixels, else 1)")
@@ -312,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", default=None, help="also save a PNG grid of the samples here")
     p.add_argument("--samples-per-prompt", type=_positive, default=8, help="seeds seed..seed+k-1 per prompt; 8 keeps small categories from being noisy")
     p.add_argument("--steps", type=_positive, default=40, help="ODE steps")
-    p.add_argument("--guidance-scale", type=float, default=1.0)
+    p.add_argument("--guidance-scale", type=_finite, default=1.0)
     p.add_argument("--resolution", type=_positive, default=None, help=resolution_help)
     p.add_argument("--num-frames", type=_positive, default=None, help=frames_help)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)

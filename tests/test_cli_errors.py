@@ -91,6 +91,9 @@ def test_empty_prompt_zero_resolution_and_a_huge_prompt(tiny_model_dir, tmp_path
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "a red circle", "--out", str(tmp_path / "g"), "--resolution", "0"])
     assert exit_.value.code == 2 and "--resolution: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "a red circle", "--out", str(tmp_path / "g"), "--guidance-scale", "nan"])
+    assert "--guidance-scale: must be a finite number, got nan" in capsys.readouterr().err
     huge = " ".join(["circle"] * 10_000)
     assert main(["generate", huge, "--out", str(tmp_path / "g"), "--model", str(tiny_model_dir)]) == 2
     line = one_line_error(capsys)

@@ -184,7 +184,8 @@ class RewardWorker:
         return RewardResult(value, {**info, ERROR_KEY: None})
 
     def _failed(self, sample: RewardSample, message: str) -> RewardResult:
-        logger.warning("reward %r failed for prompt %r: %s", self.name, sample.prompt, message)
+        prompt = sample.prompt if len(sample.prompt) <= 100 else sample.prompt[:80] + f"... ({len(sample.prompt)} chars)"
+        logger.warning("reward %r failed for prompt %r: %s", self.name, prompt, message)
         return RewardResult(None, {ERROR_KEY: message})
 
 
