@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "or a reward over a prompt file "
                                     "(--prompts FILE --reward NAME), at fixed seeds")
     p.add_argument("--split", choices=["train", "heldout"], default="heldout", help="shapes split (without --prompts)")
-    p.add_argument("--prompts", default=None, help="a .txt (one prompt per line) or .jsonl prompt file to evaluate instead of the shapes world")
+    p.add_argument("--prompts", default=None, help="a .txt (one prompt per line), .jsonl or verl .parquet prompt file to evaluate instead of the shapes world")
     p.add_argument("--reward", default=None, help="with --prompts: the reward that scores the samples (e.g. jpeg_compressibility, pickscore, module:function)")
     p.add_argument("--reward-kwargs", action="append", default=[], metavar="JSON|KEY=VALUE",
                    help="the reward's kwargs, repeatable: '{\"device\": \"cuda:0\"}' or scale_kb=100")

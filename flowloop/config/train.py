@@ -48,8 +48,8 @@ class DataConfig:
     prompts_per_step: int = 16
     """Distinct prompts per RL step; each is sampled ``rollout.n`` times (a group)."""
     prompt_file: Optional[str] = None
-    """Train prompts from a local file (``.txt``, one per line, or ``.jsonl`` with ``prompt``; see
-    `flowloop.tasks.prompt_file`) instead of the shapes world; for real models."""
+    """Train prompts from a local file (``.txt``, one per line; ``.jsonl`` with ``prompt``; or a verl
+    dataset's ``.parquet``; see `flowloop.tasks.prompt_file`) instead of the shapes world; for real models."""
     val_prompt_file: Optional[str] = None
     """Validation prompts (same formats) scored with the training reward; None with a
     ``prompt_file`` validates on that file's first ``val_train_prompts`` prompts."""

@@ -98,14 +98,18 @@ class RLRecipe:
             checkpoint = resolve_resume(named, trainer.resume)
             self.run_dir = Path(checkpoint).parent.parent
         self.lock = RunLock(self.run_dir).acquire()
-        clean_stale_temporaries(self.run_dir)
-        if trainer.resume == "auto" and not created:
-            checkpoint = resolve_resume(self.run_dir, "auto")
-            if checkpoint is None and (self.run_dir / METRICS_FILE).exists():
-                self.log(f"{self.run_dir} has no checkpoint: starting it over from step 0")
-                (self.run_dir / METRICS_FILE).unlink()
-        if checkpoint is not None:
-            self.resume_changes = check_resume_config(self.run_dir, self.cfg, self.log)
+        try:
+            clean_stale_temporaries(self.run_dir)
+            if trainer.resume == "auto" and not created:
+                checkpoint = resolve_resume(self.run_dir, "auto")
+                if checkpoint is None and (self.run_dir / METRICS_FILE).exists():
+                    self.log(f"{self.run_dir} has no checkpoint: starting it over from step 0")
+                    (self.run_dir / METRICS_FILE).unlink()
+            if checkpoint is not None:
+                self.resume_changes = check_resume_config(self.run_dir, self.cfg, self.log)
+        except BaseException:
+            self.lock.release()
+            raise
         return checkpoint, created
 
     def _build(self, checkpoint: Path | None) -> None:
@@ -160,6 +164,7 @@ class RLRecipe:
                     if self.updated:  # a step whose groups were all dropped made no update to judge
                         self.guard.record(metrics.get("actor/skipped_nonfinite", 0), step)
                 except NonFiniteLossError:
+                    self.guard.consecutive = 0  # a resumed run (at a lower lr) gets the full allowance again
                     self.save(step)  # skipped steps left the weights finite; save() checks
                     progress.close()
                     self.log(f"stopped: non-finite loss {self.guard.max_consecutive} steps in a row; checkpoint of step {step} "
