@@ -10,7 +10,8 @@ warm-up step, each: the `AgentLoopManager` samples and scores ``prompts x n`` im
 (jpeg_compressibility: a CPU reward with no weights to load), advantages, `WorkerGroup.update`
 (one optimizer step, gradient checkpointing, micro-batches of ``--micro-batch``), then
 `WorkerGroup.sync_weights`. Figures: images/s of the whole step and of the rollout alone, update
-and weight-sync seconds, and the rollout-correction max (replay vs rollout log-prob, bf16).
+and weight-sync seconds, the engine's own sampling time and the update's own compute time (the rest
+is moving rows between processes), and the rollout-correction max (replay vs rollout log-prob, bf16).
 """
 
 from __future__ import annotations
@@ -95,8 +96,12 @@ def run_mode(family: str, args, mode: str) -> dict:
             t2 = time.perf_counter()
             group.sync_weights(manager, step)
             t3 = time.perf_counter()
+            engine = group._all(group.replicas, "metrics")[0]["engine_time_s"]
             result["steps"].append({"rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
+                                    "update_compute_s": metrics["time/update_compute"],
+                                    "engine_s": engine - result.get("_engine", 0.0),
                                     "correction_max": metrics.get("rollout_correction/max")})
+            result["_engine"] = engine
             print(json.dumps({"family": family, "mode": mode, "step": step, **result["steps"][-1]}), flush=True)
         served = group._all(group.replicas, "metrics")[0]
         result["mean_engine_batch"] = served.get("mean_batch_size")
@@ -112,7 +117,10 @@ def run_mode(family: str, args, mode: str) -> dict:
     result.update(images_per_s=rows / statistics.mean(s["step_s"] for s in timed),
                   rollout_images_per_s=rows / statistics.mean(s["rollout_s"] for s in timed),
                   update_s=statistics.mean(s["update_s"] for s in timed),
-                  sync_s=statistics.mean(s["sync_s"] for s in timed))
+                  sync_s=statistics.mean(s["sync_s"] for s in timed),
+                  update_compute_s=statistics.mean(s["update_compute_s"] for s in timed),
+                  engine_s=statistics.mean(s["engine_s"] for s in timed))
+    result.pop("_engine", None)
     return result
 
 
@@ -142,13 +150,15 @@ def main() -> None:
             if args.out:
                 device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                 Path(args.out).write_text(json.dumps({"device": device, "results": results}, indent=2))
-    print(f"\n{'family':12} {'mode':6} {'img/s step':>10} {'img/s rollout':>13} {'update_s':>9} {'sync_s':>7} {'batch':>6}")
+    print(f"\n{'family':12} {'mode':6} {'img/s step':>10} {'img/s rollout':>13} {'engine_s':>8} {'update_s':>9} "
+          f"{'compute_s':>9} {'sync_s':>7} {'batch':>6}")
     for r in results:
         if "error" in r:
             print(f"{r['family']:12} {r['mode']:6} {r['error'][:80]}")
         else:
             print(f"{r['family']:12} {r['mode']:6} {r['images_per_s']:10.3f} {r['rollout_images_per_s']:13.3f} "
-                  f"{r['update_s']:9.2f} {r['sync_s']:7.3f} {r['mean_engine_batch'] or 0:6.1f}")
+                  f"{r['engine_s']:8.2f} {r['update_s']:9.2f} {r['update_compute_s']:9.2f} {r['sync_s']:7.3f} "
+                  f"{r['mean_engine_batch'] or 0:6.1f}")
 
 
 if __name__ == "__main__":

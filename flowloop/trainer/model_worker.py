@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any
 
 import torch
@@ -106,8 +107,10 @@ class ModelWorker:
         self._need("actor", "update")
 
         def run():
+            start = time.perf_counter()
             generator = torch.Generator().set_state(generator_state)
             metrics = self.actor.update(batch, advantages, generator)
+            metrics["time/update_compute"] = time.perf_counter() - start  # time/update less this: moving the batch
             return metrics, generator.get_state()
 
         return await _on_compute(run)
