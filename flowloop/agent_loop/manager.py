@@ -5,7 +5,13 @@ reward failure policy and sums up the timings.
     manager = AgentLoopManager.create(config, model)            # local: one process, one loop
     manager = AgentLoopManager.create(config, model, "ray", 2)  # Ray actors, 2 rollout replicas
     out = manager.generate_sequences(batch)                     # Batch, see AgentLoopWorker
+    future = manager.generate_sequences_future(batch)           # the same, while the caller works on
     manager.shutdown()
+
+The manager's event loop runs in a thread of its own, where local replicas, reward workers and
+agent-loop workers live across calls; every call is scheduled there, so a caller can train while
+a batch generates (``rollout.max_staleness`` > 0). Weights never change under a batch:
+`update_weights` waits for the batches in flight.
 
 Both modes run the same code; only `flowloop.agent_loop.actors` (where handles are made and
 how they are called) knows the difference.
@@ -16,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -56,6 +64,10 @@ class AgentLoopManager:
         self.borrowed: list = []
         """Handles in ``owned`` that another object made: `shutdown` stops them but leaves them alive."""
         self._loop = asyncio.new_event_loop()  # local objects live in this loop across calls
+        self._thread = threading.Thread(target=self._loop.run_forever, name="flowloop-agent-loop", daemon=True)
+        self._thread.start()
+        self._generating: set[asyncio.Task] = set()
+        """`generate_sequences_async` calls running now (touched on the loop's thread only)."""
 
     @classmethod
     def create(cls, config: RolloutConfig, model, mode: str = "local", num_replicas: int = 1,
@@ -94,13 +106,32 @@ class AgentLoopManager:
         ]
         manager = cls(workers, config.reward.failure_policy, owned=[*servers, *rewards])
         manager.borrowed = list(replicas or [])
-        manager._loop.run_until_complete(wait_ready([*servers, *rewards, *workers]))
+        try:
+            manager._run(wait_ready([*servers, *rewards, *workers]))
+        except BaseException:
+            manager.shutdown()
+            raise
         return manager
+
+    def _run(self, coroutine):
+        """Run ``coroutine`` on the manager's loop and wait for its result (an interrupt cancels it)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
     # -- generation ---------------------------------------------------------------------
     def generate_sequences(self, batch: Batch) -> Batch:
         """Blocking form of `generate_sequences_async`, run on the manager's own event loop."""
-        return self._loop.run_until_complete(self.generate_sequences_async(batch))
+        return self._run(self.generate_sequences_async(batch))
+
+    def generate_sequences_future(self, batch: Batch) -> Future:
+        """`generate_sequences_async` started on the manager's loop; returns at once. The
+        `concurrent.futures.Future` gives the Batch (or raises its error); cancelling it cancels
+        the rows."""
+        return asyncio.run_coroutine_threadsafe(self.generate_sequences_async(batch), self._loop)
 
     async def generate_sequences_async(self, batch: Batch) -> Batch:
         """Generate and score every row; rows come back in input order (see `AgentLoopWorker`).
@@ -108,6 +139,14 @@ class AgentLoopManager:
         ``meta_info`` gains ``timing`` (wall times, per-row means and maxima) and
         ``reward_dropped_rows`` (rows removed by the ``drop_group`` policy).
         """
+        task = asyncio.current_task()
+        self._generating.add(task)
+        try:
+            return await self._generate(batch)
+        finally:
+            self._generating.discard(task)
+
+    async def _generate(self, batch: Batch) -> Batch:
         start = time.perf_counter()
         # 1. verl's column names and arrays; every row knows its place in the full batch, so its
         #    seed does not depend on the split.
@@ -134,7 +173,8 @@ class AgentLoopManager:
     def update_weights(self, replicas: list, state, version: int) -> None:
         """Have ``replicas`` (servers or `ModelWorker`s this manager routes to) sample with the
         weights of update ``version`` from now on (``state``: the weights, or None when each
-        holds them already); on this manager's loop, where local replicas serve."""
+        holds them already); on this manager's loop, where local replicas serve. Batches in
+        flight finish with the weights they started with first."""
 
         async def one(replica):
             deadline = time.monotonic() + RESTART_WAIT_S
@@ -150,20 +190,30 @@ class AgentLoopManager:
                     await asyncio.sleep(0.5)
 
         async def every():
+            if self._generating:
+                await asyncio.wait(list(self._generating))
             await asyncio.gather(*(one(r) for r in replicas))
 
-        self._loop.run_until_complete(every())
+        self._run(every())
 
     # -- lifecycle ----------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop servers and reward workers, end the actors (Ray mode) and close the event loop."""
+        """Cancel batches in flight, stop servers and reward workers, end the actors (Ray mode) and
+        close the event loop."""
         if self._loop.is_closed():
             return
 
         async def stop_all():
+            for task in self._generating:
+                task.cancel()
+            await asyncio.gather(*self._generating, return_exceptions=True)
             await asyncio.gather(*(call(h, "stop") for h in self.owned if hasattr(h, "stop")), return_exceptions=True)
 
-        self._loop.run_until_complete(stop_all())
+        try:
+            self._run(stop_all())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
         for handle in [*self.workers, *self.owned]:
             if is_remote(handle) and handle not in self.borrowed:
                 import ray

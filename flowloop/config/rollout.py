@@ -165,6 +165,19 @@ class RolloutConfig:
     """Record per-step log-probs in training (FlowGRPO's ``logp_old``). Validation never does."""
     seed: int = 0
     """Base of the training seeds: row r of step s gets ``row_seed(seed, s, r)``."""
+    max_staleness: int = 0
+    """Updates a training row may lag the trainer. 0: on-policy, every step samples with the
+    weights of the update just made. > 0 (async mode): step s+1's rows start sampling, with the
+    weights the replicas hold (update s-1), before step s's update, and train one update old;
+    the replicas take update s's weights once those rows are done, never in the middle of them.
+    The pipeline runs one step ahead, so any value >= 1 gives rows exactly 1 update old. Rows
+    record the version they were sampled with (``rollout/weight_version``, ``rollout/staleness``);
+    FlowGRPO must then take logp_old from the rollout (``actor.flow_grpo.skip_old_logprob``), and
+    ``rollout_correction/*`` shows how far the sampling policy was from the trained one. The gain
+    is with ``scale.mode=ray scale.placement=disaggregated`` (replicas on devices of their own);
+    locally the rollout and the update share one compute thread and overlap little, and the
+    replica is a second copy of the model. A checkpoint holds no batch in flight: a resumed run
+    samples its first step with the restored weights, then runs ahead again."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad key; called by `load_config` and the workers."""
@@ -179,6 +192,8 @@ class RolloutConfig:
                 raise ValueError(f"{key} must be >= 1, got {getattr(getattr(self, section), name)}")
         if self.server.cpu_shards is not None and self.server.cpu_shards < 1:
             raise ValueError(f"server.cpu_shards must be >= 1 (1: off) or null (auto: one per thread on a CPU with <= 2), got {self.server.cpu_shards}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (0: on-policy), got {self.max_staleness}")
         for key, value in (("reward.max_wait_ms", self.reward.max_wait_ms), ("server.max_wait_ms", self.server.max_wait_ms)):
             if value < 0:
                 raise ValueError(f"{key} must be >= 0, got {value}")

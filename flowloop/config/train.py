@@ -132,6 +132,13 @@ class TrainConfig:
         if self.scale.mode == "ray" and self.actor.ema_decay is not None:
             raise ValueError("actor.ema_decay is not offered with scale.mode=ray (validation samples on the replicas, "
                              "which hold the live weights); unset it or use scale.mode=local")
+        if self.rollout.max_staleness > 0:
+            if self.scale.mode == "ray" and self.scale.placement == "colocated":
+                raise ValueError("rollout.max_staleness > 0 needs scale.placement=disaggregated with scale.mode=ray: a "
+                                 "colocated replica samples with the weights its rank is updating")
+            if self.actor.ema_decay is not None:
+                raise ValueError("actor.ema_decay is not offered with rollout.max_staleness > 0 (validation samples on the "
+                                 "replica's own copy of the weights); unset one of them")
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
         self.actor.validate()
         self._validate_objective()

@@ -219,7 +219,7 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
 
 
 CATEGORY_PREFIX = "reward/category/"
-"""Where `flowloop.trainer.recipe.category_reward_means` logs each prompt category's training reward."""
+"""Where `flowloop.trainer.step_metrics.category_reward_means` logs each prompt category's training reward."""
 
 
 def category_names(keys) -> list[str]:

@@ -32,7 +32,8 @@ ranks are not restarted: an FSDP group cannot replace one rank alone."""
 
 class WorkerGroup:
     """The trainer ranks (``actors``) and the rollout replicas (``replicas``; the same handles
-    when colocated)."""
+    when colocated). Local mode is one colocated worker, or with ``rollout.max_staleness`` > 0 an
+    actor and a replica of its own (a second copy of the model), so sampling never sees an update."""
 
     def __init__(self, actors: list, replicas: list, colocated: bool = True, placement_group=None):
         self.actors = list(actors)
@@ -45,6 +46,8 @@ class WorkerGroup:
     def create(cls, cfg, build=None) -> WorkerGroup:
         """The workers ``cfg.scale`` asks for; ``build``: see `ModelWorker` (None loads ``cfg.model.path``)."""
         scale = cfg.scale
+        if scale.mode == "local" and cfg.rollout.max_staleness > 0:  # the replica samples while the actor trains
+            return cls([ModelWorker(cfg, ("actor",), build=build)], [ModelWorker(cfg, ("rollout",), build=build)], False)
         if scale.mode == "local":
             worker = ModelWorker(cfg, ROLES, build=build)
             return cls([worker], [worker])
@@ -93,9 +96,12 @@ class WorkerGroup:
     def sync_weights(self, manager, version: int) -> None:
         """After an update: every replica samples with its weights from now on. Colocated, each
         worker copies them in place; disaggregated, rank 0 publishes them once and each replica
-        loads them from the object store. Runs on the manager's loop, where the replicas serve."""
+        loads them from the object store (a local replica of its own, ``rollout.max_staleness``
+        > 0: straight from the actor). Runs on the manager's loop, where the replicas serve."""
         state = None
-        if not self.colocated:
+        if not self.colocated and self.local_worker is not None:
+            state = self._all(self.actors, "trainable_state", False)[0]
+        elif not self.colocated:
             published = self._all(self.actors, "publish_weights")
             state = published[0][0]
         manager.update_weights(self.replicas, state, version)

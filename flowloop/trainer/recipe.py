@@ -5,12 +5,13 @@ One RL step: the task's train rows, repeat each ``rollout.n`` times under one ``
 and score them through the `AgentLoopManager` (streaming rewards), compute group-relative
 advantages, update the actor on the stored trajectories, and sync the new weights to the
 rollout replicas (`flowloop.trainer.placement.WorkerGroup`: one process, or Ray ranks and
-replicas); every request names the weight version it must be sampled with. Validation runs before
-training, every ``trainer.val_every`` steps and at the end (the task's validation rows, scored
-by the task); checkpoints every
-``trainer.save_every`` steps, at the end, on Ctrl-C or SIGTERM, and before a step that failed
-before its update (a reward that failed) stops the run. One process trains into a run folder at a
-time (`flowloop.trainer.run_folder`); its ``config.yaml`` is written once set-up has succeeded.
+replicas); every request names the weight version it must be sampled with (``rollout.max_staleness``
+> 0: the next step's rows sample during this step's update, `flowloop.trainer.pipeline`). Validation
+runs before training, every ``trainer.val_every`` steps and at the end (the task's validation rows,
+scored by the task); checkpoints every ``trainer.save_every`` steps, at the end, on Ctrl-C or
+SIGTERM, and before a step that failed before its update (a reward that failed) stops the run. One
+process trains into a run folder at a time (`flowloop.trainer.run_folder`); its ``config.yaml`` is
+written once set-up has succeeded.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from flowloop.agent_loop import AgentLoopManager
 from flowloop.config import to_yaml
 from flowloop.config.train import TrainConfig
 from flowloop.protocol import Batch
-from flowloop.reward.worker import ERROR_KEY
 from flowloop.tasks import Task, build_task
 from flowloop.trainer.advantages import PerPromptStatTracker, compute_advantages
 from flowloop.trainer.checkpoint import (
@@ -38,9 +37,11 @@ from flowloop.trainer.checkpoint import (
 from flowloop.trainer.config_check import check_sampling
 from flowloop.trainer.evaluate import to_uint8_images, with_rewards
 from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
-from flowloop.trainer.metrics_log import CATEGORY_PREFIX, METRICS_FILE, MetricsLogger, ProgressLine
+from flowloop.trainer.metrics_log import METRICS_FILE, MetricsLogger, ProgressLine
+from flowloop.trainer.pipeline import RolloutPipeline
 from flowloop.trainer.placement import WorkerGroup
 from flowloop.trainer.run_folder import RunLock, apply_to_train_state, check_resume_config, clean_stale_temporaries
+from flowloop.trainer.step_metrics import category_reward_means, reward_extra_means
 from flowloop.trainer.stop import StopRequest
 from flowloop.visual import save_grid
 
@@ -125,6 +126,7 @@ class RLRecipe:
         local = self.group.local_worker
         model = local.model if local is not None else SimpleNamespace(**self.group.describe())
         self.manager = AgentLoopManager.create(cfg.rollout, model, mode=cfg.scale.mode, replicas=self.group.replicas)
+        self.rollouts = RolloutPipeline(self.manager, self.make_batch, cfg.rollout.max_staleness)
         self.tracker = PerPromptStatTracker() if cfg.advantage.estimator == "per_prompt" else None
         self.guard = NonFiniteGuard()
         self.generator = torch.Generator().manual_seed(cfg.trainer.seed)
@@ -152,6 +154,7 @@ class RLRecipe:
                 try:
                     metrics = self.train_step(step)
                 except Exception:  # e.g. a failed reward: keep the finished steps
+                    self.rollouts.cancel()
                     self._save_unsaved(step - 1, before)
                     progress.close()
                     raise
@@ -183,10 +186,8 @@ class RLRecipe:
 
     def train_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        # 1. Prompts of this step, each repeated rollout.n times under one uid.
-        batch = self.make_batch(step)
-        # 2. Generate and score (the reward streams while other rows still sample).
-        out = self.manager.generate_sequences(batch)
+        # 1-2. This step's prompts (`make_batch`), generated and scored (rewards stream): now, or during the last update.
+        out = self.rollouts.take(step)
         generated = time.perf_counter()
         rewards = out["rm_scores"][:, 0]  # [B]
         # 3. Advantages over each uid's group.
@@ -197,21 +198,29 @@ class RLRecipe:
                                     drop_zero_std_groups=self.cfg.advantage.drop_zero_std_groups, **options)
         keep = result.keep.nonzero().flatten()
         self.updated = bool(len(keep))
-        # 4. Update the actor on the kept rows; 5. the replicas sample with the new weights next.
+        # 4. Async mode: the next step's rows sample with the replicas' weights (this version) meanwhile.
+        if step < self.cfg.trainer.total_steps:
+            self.rollouts.start(step + 1)
+        # 5. Update the actor on the kept rows; 6. once the next step's rows are done, the replicas
+        #    sample with the new weights.
         if len(keep):
             metrics.update(self.group.update(out[keep.tolist()], result.advantages[keep], self.generator))
         updated = time.perf_counter()
+        self.rollouts.wait()
+        waited = time.perf_counter()
+        if "weight_version" in out:
+            metrics["rollout/weight_version"] = float(out["weight_version"].min())
+            if self.cfg.rollout.max_staleness > 0:  # updates between the rows' weights and the ones they train
+                metrics["rollout/staleness"] = float(self.version - out["weight_version"].min())
         self.version = step
         self.group.sync_weights(self.manager, self.version)
         end = time.perf_counter()
-        if "weight_version" in out:
-            metrics["rollout/weight_version"] = float(out["weight_version"].min())
         metrics.update({
             **reward_extra_means(out),
             **category_reward_means(out, rewards),
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
             **{f"advantage/{k}": float(v) for k, v in result.stats.items()},
-            "time/generate": generated - start, "time/update": updated - generated, "time/weight_sync": end - updated,
+            "time/generate": generated - start + waited - updated, "time/update": updated - generated, "time/weight_sync": end - waited,
             "time/step": end - start,
             "throughput/samples_per_s": len(out) / (end - start),
             **{f"time/{k}": v for k, v in out.meta_info.get("timing", {}).items()},
@@ -342,39 +351,6 @@ def train_state(loaded) -> dict:
         raise ValueError(f"{loaded.path} has no optimizer or schedule state to resume from")
     return {"model": loaded.model_state, "optimizer": loaded.optimizer_state,
             "scheduler": loaded.scheduler_states[0], "ema": loaded.extra.get("ema")}
-
-
-def reward_extra_means(out: Batch) -> dict[str, float]:
-    """``reward/<key>``: the mean of every numeric reward extra-info column the reward declared
-    (``meta_info["reward_extra_keys"]``; bools count 0/1, so ``correct`` gives the accuracy). A
-    key already starting with ``reward/`` (a combined reward's parts) keeps its name. Missing
-    values (None) are left out; columns of other types (dicts, strings, errors) are skipped."""
-    means = {}
-    for key in out.meta_info.get("reward_extra_keys", []):
-        if key == ERROR_KEY or key not in out:
-            continue
-        values = [v for v in out[key] if v is not None]
-        if values and all(isinstance(v, (bool, int, float, np.bool_, np.number)) for v in values):
-            means[key if key.startswith("reward/") else f"reward/{key}"] = float(np.mean([float(v) for v in values]))
-    return means
-
-
-def category_reward_means(out: Batch, rewards: torch.Tensor) -> dict[str, float]:
-    """``reward/category/<name>/mean`` (and ``.../correct`` when the reward reports it) for each
-    value of the batch's ``category`` column: the shapes world's six, or a prompt file's own
-    ``category`` field. The overall mean hides which kinds of prompt are learning; a single
-    category's line in ``metrics.jsonl`` shows it. Rows without a category are left out."""
-    if "category" not in out:
-        return {}
-    means = {}
-    categories = list(out["category"])
-    correct = list(out["correct"]) if "correct" in out else None
-    for name in sorted({c for c in categories if c is not None}, key=str):
-        rows = [i for i, c in enumerate(categories) if c == name]
-        means[f"{CATEGORY_PREFIX}{name}/mean"] = float(rewards[rows].mean())
-        if correct is not None:
-            means[f"{CATEGORY_PREFIX}{name}/correct"] = float(np.mean([float(correct[i]) for i in rows]))
-    return means
 
 
 def run(cfg: TrainConfig, log=print) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 from flowloop.cli import main
 from flowloop.protocol import Batch
-from flowloop.trainer.recipe import category_reward_means, reward_extra_means
+from flowloop.trainer.step_metrics import category_reward_means, reward_extra_means
 
 TINY = [
     "rollout.pipeline.height=16", "rollout.pipeline.width=16", "rollout.pipeline.num_inference_steps=4",

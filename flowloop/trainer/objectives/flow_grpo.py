@@ -37,13 +37,16 @@ class FlowGRPO:
 
     @classmethod
     def validate_config(cls, cfg) -> None:
-        """A policy gradient needs the log-probs of noisy steps."""
+        """A policy gradient needs the log-probs of noisy steps; off-policy rows, the rollout's own."""
         if cfg.rollout.algo.sampler == "ode":
             raise ValueError("rollout.algo.sampler=ode records no log-probs for flow_grpo to learn from; "
                              "use sde, dance or cps, or set actor.objective=nft")
         if cfg.rollout.algo.noise_level == 0:
             raise ValueError("rollout.algo.noise_level=0 samples without noise, so flow_grpo has no log-probs to learn "
                              "from; raise it or set actor.objective=nft")
+        if cfg.rollout.max_staleness > 0 and not cfg.actor.flow_grpo.skip_old_logprob:
+            raise ValueError("rollout.max_staleness > 0 needs actor.flow_grpo.skip_old_logprob=true: rows sampled with "
+                             "older weights must take logp_old from the rollout, not from a replay with the trainer's")
 
     def prepare(self, tensors: Rows, generator: torch.Generator) -> int:
         """Nothing to draw; the first ``ceil(timestep_fraction x window)`` recorded steps train."""
