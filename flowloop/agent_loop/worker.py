@@ -107,7 +107,11 @@ class AgentLoopWorker:
         params = dataclasses.replace(self._params[validate], global_steps=step,
                                      weight_version=batch.meta_info.get("weight_version"))
         row_indices = self._row_indices(batch)
-        base_seed, seed_step = (self.config.val_kwargs.seed, VALIDATION_STEP) if validate else (self.config.seed, step)
+        # verl's ``meta_info["rollout_seed"]`` replaces ``rollout.seed`` as the training base seed.
+        train_seed = batch.meta_info.get("rollout_seed", self.config.seed)
+        if isinstance(train_seed, bool) or not isinstance(train_seed, int) or train_seed < 0:
+            raise ValueError(f"meta_info['rollout_seed'] must be an int >= 0, got {train_seed!r}")
+        base_seed, seed_step = (self.config.val_kwargs.seed, VALIDATION_STEP) if validate else (train_seed, step)
         # 2. Which loop runs each row; an unknown name fails before anything runs.
         names = batch[AGENT_NAME_KEY] if AGENT_NAME_KEY in batch else [self.config.agent.default_agent_loop] * len(batch)
         for name in sorted(set(names)):

@@ -66,6 +66,20 @@ def test_a_rows_sample_does_not_depend_on_the_worker_split(model):
     torch.testing.assert_close(alone["responses"], one["responses"][5:8], atol=1e-6, rtol=0)
 
 
+def test_verl_rollout_seed_is_the_base_seed(model):
+    """``meta_info["rollout_seed"]`` (verl's) seeds the rows as ``rollout.seed`` would."""
+    batch = prompt_batch(2)
+    default = generate(small_config(), model, batch)
+    batch.meta_info["rollout_seed"] = 7
+    seeded = generate(small_config(), model, batch)
+    again = generate(dataclasses.replace(small_config(), seed=7), model, prompt_batch(2))
+    assert torch.equal(seeded["responses"], again["responses"])
+    assert not torch.equal(seeded["responses"], default["responses"])
+    batch.meta_info["rollout_seed"] = -1
+    with pytest.raises(ValueError, match="rollout_seed"):
+        generate(small_config(), model, batch)
+
+
 def test_training_batch_needs_its_step(model):
     batch = prompt_batch(1)
     del batch.meta_info["global_steps"]
