@@ -30,10 +30,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-PROMPTS = ["a red cat sitting on a wooden table", "two dogs playing in the snow at night",
-           "a lighthouse on a cliff at sunset", "a bowl of ramen with chopsticks"]
-
-
 def build_family(family: str, options: dict, tiny: bool = False):
     """The family's real-size `FlowModel` with random bf16 weights on this process's GPU (``tiny``:
     the tests' tiny configs in float32 on the CPU, to check this script anywhere)."""
@@ -66,8 +62,7 @@ def make_config(family: str, args, mode: str):
 
 def run_mode(family: str, args, mode: str) -> dict:
     from flowloop.agent_loop import AgentLoopManager
-    from flowloop.protocol import Batch
-    from flowloop.trainer.advantages import compute_advantages
+    from flowloop.trainer.bench import rl_steps
     from flowloop.trainer.placement import WorkerGroup
 
     cfg = make_config(family, args, mode)
@@ -77,34 +72,11 @@ def run_mode(family: str, args, mode: str) -> dict:
     local = group.local_worker
     info = local.model if local is not None else type("Info", (), group.describe())
     manager = AgentLoopManager.create(cfg.rollout, info, mode=mode, replicas=group.replicas)
-    result = {"family": family, "mode": mode, "setup_s": time.perf_counter() - start, "steps": []}
+    result = {"family": family, "mode": mode, "setup_s": time.perf_counter() - start}
     try:
-        group.sync_weights(manager, 0)
-        generator = torch.Generator().manual_seed(0)
-        for step in range(1, args.steps + 2):
-            prompts = [PROMPTS[(step + g) % len(PROMPTS)] for g in range(args.prompts)]
-            columns = {"raw_prompt": [p for p in prompts for _ in range(args.n)],
-                       "uid": [f"{step}-{g}" for g in range(args.prompts) for _ in range(args.n)]}
-            if cfg.data.negative_prompt is not None:
-                columns["negative_prompt"] = [cfg.data.negative_prompt] * len(columns["uid"])
-            batch = Batch.from_dict(non_tensors=columns, meta_info={"global_steps": step, "weight_version": step - 1})
-            t0 = time.perf_counter()
-            out = manager.generate_sequences(batch)
-            t1 = time.perf_counter()
-            advantages = compute_advantages("grpo", out["rm_scores"][:, 0], out["uid"]).advantages
-            metrics = group.update(out, advantages, generator)
-            t2 = time.perf_counter()
-            group.sync_weights(manager, step)
-            t3 = time.perf_counter()
-            engine = group._all(group.replicas, "metrics")[0]["engine_time_s"]
-            result["steps"].append({"rollout_s": t1 - t0, "update_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
-                                    "update_compute_s": metrics["time/update_compute"],
-                                    "engine_s": engine - result.get("_engine", 0.0),
-                                    "correction_max": metrics.get("rollout_correction/max")})
-            result["_engine"] = engine
-            print(json.dumps({"family": family, "mode": mode, "step": step, **result["steps"][-1]}), flush=True)
-        served = group._all(group.replicas, "metrics")[0]
-        result["mean_engine_batch"] = served.get("mean_batch_size")
+        result["steps"], _ = rl_steps(group, manager, cfg, args.steps + 1,
+                                      log=lambda line: print(f"{family} {mode} {line}", flush=True))
+        result["mean_engine_batch"] = group._all(group.replicas, "metrics")[0].get("mean_batch_size")
     finally:
         manager.shutdown()
         group.shutdown()
@@ -114,13 +86,13 @@ def run_mode(family: str, args, mode: str) -> dict:
             torch.cuda.empty_cache()
     timed = result["steps"][1:]  # the first step pays one-off costs
     rows = args.prompts * args.n
-    result.update(images_per_s=rows / statistics.mean(s["step_s"] for s in timed),
-                  rollout_images_per_s=rows / statistics.mean(s["rollout_s"] for s in timed),
-                  update_s=statistics.mean(s["update_s"] for s in timed),
-                  sync_s=statistics.mean(s["sync_s"] for s in timed),
-                  update_compute_s=statistics.mean(s["update_compute_s"] for s in timed),
-                  engine_s=statistics.mean(s["engine_s"] for s in timed))
-    result.pop("_engine", None)
+
+    def mean(key):
+        return statistics.mean(s[key] for s in timed)
+
+    result.update(images_per_s=rows / mean("step_s"), rollout_images_per_s=rows / mean("rollout_s"),
+                  update_s=mean("update_s"), sync_s=mean("sync_s"), update_compute_s=mean("update_compute_s"),
+                  engine_s=mean("engine_s"))
     return result
 
 

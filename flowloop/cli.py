@@ -86,6 +86,12 @@ def cmd_train(args) -> None:
         print(f"precise before/after: flowloop eval, then flowloop eval --checkpoint {summary['run_dir']}/checkpoints/step_{summary['steps']:06d}")
 
 
+def cmd_bench(args) -> None:
+    from flowloop.trainer.bench import bench_command
+
+    bench_command(train_config(args), args.random, args.steps, args.json)
+
+
 def cmd_export(args) -> None:
     from flowloop.trainer.export import export
 
@@ -277,6 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="PATH", help="your own YAML, merged after --recipe and before the overrides")
     p.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit without training")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("bench", help="time RL steps, rollout, update and the bare-forward ceiling (TFLOP/s, MFU, memory)")
+    p.add_argument("overrides", nargs="*", help="e.g. model.device=cuda rollout.n=8 data.prompts_per_step=2")
+    p.add_argument("--recipe", default=None, metavar="NAME", help="shipped recipe (default: shapes)")
+    p.add_argument("--config", default=None, metavar="PATH", help="your own YAML, merged after --recipe")
+    p.add_argument("--random", default=None, metavar="FAMILY", help="sd3|flux|qwen_image|wan at real size, random weights")
+    p.add_argument("--steps", type=int, default=3, help="timed RL steps after one warm-up step")
+    p.add_argument("--json", default=None, help="write every figure here")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("export", help="write a checkpoint as a peft adapter + diffusers LoRA file, or a full diffusers folder")
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder (its newest valid checkpoint) or a checkpoint folder")

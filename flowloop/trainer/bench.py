@@ -1,0 +1,251 @@
+"""`flowloop bench`: where the time of an RL step goes, against what the hardware can do.
+
+In one run, on one device, with a run's own config (its recipe's sampler, CFG, LoRA, sizes):
+
+1. whole RL steps through the trainer's own calls (`rl_steps`: the manager samples and scores,
+   advantages, `WorkerGroup.update`, `WorkerGroup.sync_weights`), one warm-up step then the
+   timed ones: images/s of a step, of its rollout and its update; the update's
+   ``rollout_correction/max`` is the gap between the rollout's and the replay's log-probs;
+2. the ceiling: the bare denoiser forward loop at the rollout's rows (``num_inference_steps``
+   guided velocities on the step's own latents and embeddings; no sampler, no decode, no
+   server), timed the same way;
+3. FLOPs counted by torch's ``FlopCounterMode`` on one guided velocity (the rollout's share) and
+   on one update (forward, backward and recomputation), turned into achieved TFLOP/s, and MFU
+   against a dense matmul in the model's dtype measured in the same run;
+4. peak device memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+
+from flowloop.models.base import is_embedding_key
+from flowloop.protocol import Batch
+from flowloop.rollout.engine import guided_velocity
+from flowloop.trainer.advantages import compute_advantages
+
+PROMPTS = ["a red cat sitting on a wooden table", "two dogs playing in the snow at night",
+           "a lighthouse on a cliff at sunset", "a bowl of ramen with chopsticks"]
+"""Prompts the benchmark samples when the run has no task rows of its own to give."""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def timed(device: torch.device, out: list):
+    """Append the block's wall seconds (device work included) to ``out``."""
+    synchronize(device)
+    start = time.perf_counter()
+    yield
+    synchronize(device)
+    out.append(time.perf_counter() - start)
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int = 8192, repeats: int = 10) -> float:
+    """Dense ``size``-cube matmul TFLOP/s in ``dtype``: the peak MFU is measured against."""
+    size = size if device.type == "cuda" else 1024
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    a @ b  # warm-up
+    seconds: list[float] = []
+    with timed(device, seconds):
+        for _ in range(repeats):
+            a @ b
+    return 2 * size**3 * repeats / seconds[0] / 1e12
+
+
+def count_flops(fn) -> int:
+    """FLOPs torch's dispatcher sees while ``fn()`` runs (matmuls, convolutions, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def step_batch(cfg, step: int, weight_version: int, task=None) -> Batch:
+    """``prompts_per_step x n`` rows in GRPO groups for training step ``step``: the task's own
+    training rows, or (no task) `PROMPTS`."""
+    count = cfg.data.prompts_per_step
+    prompts = ([row["raw_prompt"] for row in task.train_rows(cfg.trainer.seed, step, count)] if task is not None
+               else [PROMPTS[(step + g) % len(PROMPTS)] for g in range(count)])
+    n = cfg.rollout.n
+    columns = {"raw_prompt": [p for p in prompts for _ in range(n)],
+               "uid": [f"{step}-{g}" for g in range(len(prompts)) for _ in range(n)]}
+    if cfg.data.negative_prompt is not None:
+        columns["negative_prompt"] = [cfg.data.negative_prompt] * len(columns["uid"])
+    return Batch.from_dict(non_tensors=columns, meta_info={"global_steps": step, "weight_version": weight_version})
+
+
+def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[list[dict], Batch]:
+    """``steps`` RL steps through the trainer's own calls; per step its seconds (rollout,
+    update, update compute, weight sync, whole step), the engine's own sampling seconds and
+    the rollout-correction max; and the last step's batch."""
+    generator = torch.Generator().manual_seed(cfg.trainer.seed)
+    group.sync_weights(manager, 0)
+    engine_before = group._all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
+    rows, out = [], None
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        out = manager.generate_sequences(step_batch(cfg, step, step - 1, task))
+        t1 = time.perf_counter()
+        advantages = compute_advantages(cfg.advantage.estimator, out["rm_scores"][:, 0], out["uid"]).advantages
+        metrics = group.update(out, advantages, generator)
+        t2 = time.perf_counter()
+        group.sync_weights(manager, step)
+        t3 = time.perf_counter()
+        engine = group._all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
+        rows.append({"rollout_s": t1 - t0, "update_s": t2 - t1, "update_compute_s": metrics.get("time/update_compute"),
+                     "sync_s": t3 - t2, "step_s": t3 - t0, "engine_s": engine - engine_before,
+                     "correction_max": metrics.get("rollout_correction/max")})
+        engine_before = engine
+        log(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if v is not None))
+    return rows, out
+
+
+def bare_forward(model, out: Batch, cfg, device: torch.device, repeats: int = 2) -> tuple[float, int]:
+    """Seconds of ``num_inference_steps`` guided velocities on the batch's first recorded latents
+    (the best of ``repeats`` after a warm-up), and the FLOPs of one of them."""
+    latents = (out["all_latents"][:, 0] if "all_latents" in out else out["final_latents"]).to(device)
+    sigma = torch.full((len(out),), 0.5, device=device)
+    embeds = {k: out[k].to(device) for k in out.keys() if is_embedding_key(k)}
+    guidance = cfg.rollout.pipeline.guidance_scale
+    steps = cfg.rollout.pipeline.num_inference_steps
+
+    def forward():
+        return guided_velocity(model, latents, sigma, embeds, guidance)
+
+    with torch.no_grad():
+        flops = count_flops(forward)
+        forward()
+        seconds: list[float] = []
+        for _ in range(repeats):
+            with timed(device, seconds):
+                for _ in range(steps):
+                    forward()
+    return min(seconds), flops
+
+
+def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
+    """Every figure of the module docstring for ``cfg`` (local mode), as a dict. Prompts: the
+    run's task rows when its task can be built here (the shapes world, a prompt file that
+    exists), else `PROMPTS` (a real-model recipe whose prompt file is elsewhere)."""
+    from pathlib import Path
+
+    from flowloop.agent_loop import AgentLoopManager
+    from flowloop.tasks import build_task
+    from flowloop.trainer.placement import WorkerGroup
+
+    task = None
+    if cfg.data.prompt_file is None or Path(cfg.data.prompt_file).is_file():
+        task = build_task(cfg)
+
+    group = WorkerGroup.create(cfg, build)
+    worker = group.local_worker
+    device = torch.device(cfg.model.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    manager = AgentLoopManager.create(cfg.rollout, worker.model, replicas=group.replicas)
+    try:
+        timings, out = rl_steps(group, manager, cfg, steps + 1, log, task)
+        forward_s, forward_flops = bare_forward(worker.model, out, cfg, device)
+        advantages = torch.linspace(-1, 1, len(out))
+        update_flops = count_flops(lambda: worker.actor.update(out, advantages, torch.Generator().manual_seed(0)))
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        dtype = next(worker.model.trainable_module().parameters()).dtype
+        peak_tflops = matmul_tflops(device, dtype)
+    finally:
+        manager.shutdown()
+        group.shutdown()
+    timed_steps = timings[1:]  # the first step pays one-off costs
+
+    def mean(key):
+        values = [t[key] for t in timed_steps if t[key] is not None]
+        return statistics.mean(values) if values else None
+
+    rows, steps_per_sample = len(out), cfg.rollout.pipeline.num_inference_steps
+    rollout_flops = forward_flops * steps_per_sample
+    figures = {
+        "rows": rows, "steps_timed": len(timed_steps), "device": _device_name(device), "dtype": str(dtype),
+        "matmul_tflops": peak_tflops,
+        "ceiling": {"seconds": forward_s, "images_per_s": rows / forward_s, "tflops": rollout_flops / forward_s / 1e12},
+        "rollout": {"seconds": mean("rollout_s"), "engine_seconds": mean("engine_s"),
+                    "images_per_s": rows / mean("rollout_s"), "tflops": rollout_flops / mean("rollout_s") / 1e12},
+        "update": {"seconds": mean("update_s"), "compute_seconds": mean("update_compute_s"),
+                   "tflops": update_flops / mean("update_s") / 1e12},
+        "step": {"seconds": mean("step_s"), "images_per_s": rows / mean("step_s"),
+                 "tflops": (rollout_flops + update_flops) / mean("step_s") / 1e12, "sync_seconds": mean("sync_s")},
+        "peak_memory_gib": peak,
+        "rollout_vs_replay_logprob_gap": max((t["correction_max"] or 0.0) for t in timed_steps),
+    }
+    for part in ("ceiling", "rollout", "update", "step"):
+        figures[part]["mfu"] = figures[part]["tflops"] / peak_tflops
+    figures["rollout"]["of_ceiling"] = figures["rollout"]["images_per_s"] / figures["ceiling"]["images_per_s"]
+    return figures
+
+
+def bench_command(cfg, random_family: str | None, steps: int, json_path: str | None) -> None:
+    """`flowloop bench`: run, print the table, write the JSON."""
+    import json
+    from pathlib import Path
+
+    build = random_model_builder(random_family, cfg) if random_family else None
+    figures = run_bench(cfg, build, steps=steps)
+    print(format_figures(figures))
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+        print(f"wrote {json_path}")
+
+
+def format_figures(figures: dict) -> str:
+    """The figures as a small table (the JSON holds everything)."""
+    lines = [f"{figures['device']}, {figures['dtype']}, {figures['rows']} rows a step, dense matmul "
+             f"{figures['matmul_tflops']:.1f} TFLOP/s",
+             f"{'part':10} {'seconds':>9} {'images/s':>9} {'TFLOP/s':>8} {'MFU':>6}"]
+    for part in ("ceiling", "rollout", "update", "step"):
+        f = figures[part]
+        images = "-" if f.get("images_per_s") is None else f"{f['images_per_s']:.3f}"
+        lines.append(f"{part:10} {f['seconds']:9.3f} {images:>9} {f['tflops']:8.2f} {f['mfu']:6.1%}")
+    lines.append(f"rollout / ceiling {figures['rollout']['of_ceiling']:.2f}; rollout-vs-replay log-prob gap "
+                 f"{figures['rollout_vs_replay_logprob_gap']:.2e}; peak memory "
+                 + (f"{figures['peak_memory_gib']:.1f} GiB" if figures['peak_memory_gib'] is not None else "n/a (CPU)"))
+    return "\n".join(lines)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def random_model_builder(family: str, cfg):
+    """A picklable factory of ``family`` at its published size with random weights (in
+    ``cfg.model.dtype`` on ``cfg.model.device``): the configs live in benchmarks/real_models.py,
+    so this needs a checkout of the repository, not an installed wheel."""
+    import functools
+    import importlib
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "real_models.py").is_file():
+        raise ValueError("--random needs benchmarks/real_models.py from a checkout of the flowloop repository; "
+                         "or pass model.path=<a local diffusers folder>")
+    sys.path.insert(0, str(root))
+    real = importlib.import_module("benchmarks.real_models")
+    if family not in real.REAL:
+        raise ValueError(f"--random {family!r}: known families {sorted(real.REAL)}")
+    return functools.partial(_build_random, family, dict(cfg.model.options), cfg.model.device, cfg.model.dtype)
+
+
+def _build_random(family: str, options: dict, device: str, dtype: str):
+    from benchmarks.real_models import REAL, build_model
+
+    torch.manual_seed(0)
+    return build_model(family, REAL, options, device, getattr(torch, dtype))

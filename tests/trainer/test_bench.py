@@ -1,0 +1,23 @@
+"""`flowloop bench` on a tiny model on the CPU: every figure is there and consistent."""
+
+import json
+
+from flowloop.cli import main
+
+
+def test_bench_reports_the_ceiling_rollout_update_and_step(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--recipe", "shapes_flow_grpo", "--steps", "1", "--json", str(out), f"model.path={tiny_model_dir}",
+                 "rollout.pipeline.height=16", "rollout.pipeline.width=16", "rollout.pipeline.num_inference_steps=4",
+                 "rollout.algo.sde_window_size=2", "rollout.algo.sde_window_range=[0,3]", "data.prompts_per_step=2",
+                 "rollout.n=4", "actor.micro_batch_size=4", "actor.mini_batch_size=8", "rollout.reward.name=jpeg_compressibility"])
+    assert code == 0
+    figures = json.loads(out.read_text())
+    assert figures["rows"] == 8 and figures["steps_timed"] == 1 and figures["matmul_tflops"] > 0
+    for part in ("ceiling", "rollout", "update", "step"):
+        assert figures[part]["seconds"] > 0 and figures[part]["tflops"] > 0 and figures[part]["mfu"] > 0, part
+    # A step holds its rollout and its update; the rollout does what the bare forward loop does, and more.
+    assert figures["step"]["seconds"] >= figures["rollout"]["seconds"] + figures["update"]["seconds"] * 0.99
+    assert figures["rollout"]["images_per_s"] == figures["rows"] / figures["rollout"]["seconds"]
+    assert 0 < figures["rollout"]["of_ceiling"] < 2
+    assert figures["rollout_vs_replay_logprob_gap"] <= 1e-5  # float32 on the CPU: replay reproduces the rollout
