@@ -4,12 +4,17 @@ Every ``flowloop train`` checkpoint folder holds ``flowloop.json`` (`TrainedWeig
 model folder, its family, the dtype it trained in, the fine-tune mode and the LoRA settings. With
 it the folder alone says how to rebuild the trained model: no run config, no trainer code. A
 checkpoint from before this file existed falls back to its run's ``config.yaml`` two folders up.
+
+The trained weights are ``model.safetensors``, or, in a checkpoint of a trainer sharded over
+several ranks, the ``model`` part of the torch.distributed.checkpoint folder ``dcp/``
+(`read_trained_weights` reads either, in one process).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,7 +22,8 @@ import torch
 
 from flowloop.models.lora import add_lora
 
-__all__ = ["CHECKPOINT_FORMAT", "DESCRIPTION", "MANIFEST", "TrainedWeights", "checkpoint_problem", "file_sha256", "load_trained_weights"]
+__all__ = ["CHECKPOINT_FORMAT", "DESCRIPTION", "MANIFEST", "SHARDS", "TrainedWeights", "checkpoint_problem", "file_sha256",
+           "load_trained_weights", "read_trained_weights"]
 
 DESCRIPTION = "flowloop.json"
 """The file in a checkpoint folder that describes its weights."""
@@ -25,8 +31,12 @@ DESCRIPTION = "flowloop.json"
 MANIFEST = "manifest.json"
 """The file a checkpoint folder is written with last: every file's size and sha256."""
 
+SHARDS = "dcp"
+"""The subfolder of a sharded checkpoint: the ranks' torch.distributed.checkpoint files (weights
+under ``model.``, optimizer state under ``optimizer.``) and its ``.metadata``."""
+
 CHECKPOINT_FORMAT = "flowloop.checkpoint/1"
-_REQUIRED = ("model.safetensors", "state.pt")
+_WEIGHTS = ("model.safetensors", f"{SHARDS}/.metadata")
 
 FORMAT = "flowloop.trained_weights/1"
 
@@ -104,9 +114,10 @@ def checkpoint_problem(path: str | Path, verify_hashes: bool = True) -> str | No
         or not isinstance(manifest.get("files"), dict)
     ):
         return f"manifest.json is not a {CHECKPOINT_FORMAT} manifest"
-    for name in _REQUIRED:
-        if name not in manifest["files"]:
-            return f"the manifest does not list {name}"
+    if "state.pt" not in manifest["files"]:
+        return "the manifest does not list state.pt"
+    if not any(name in manifest["files"] for name in _WEIGHTS):
+        return f"the manifest lists no weights ({' or '.join(_WEIGHTS)})"
     for name, info in manifest["files"].items():
         file = path / name
         if not file.is_file():
@@ -133,10 +144,8 @@ def load_trained_weights(model, checkpoint: str | Path):
     ``checkpoint`` is a ``runs/<name>/checkpoints/step_N`` folder. For LoRA the adapters are first
     added with the settings the checkpoint records, then filled in.
     """
-    from safetensors.torch import load_file
-
     weights_file = Path(checkpoint) / "model.safetensors"
-    if not weights_file.is_file():
+    if not weights_file.is_file() and not (Path(checkpoint) / SHARDS).is_dir():
         raise FileNotFoundError(f"{weights_file} is missing: pass a checkpoint folder runs/<name>/checkpoints/step_N")
     written_by_train = (Path(checkpoint) / MANIFEST).exists() or (Path(checkpoint) / "state.pt").exists()
     problem = checkpoint_problem(checkpoint) if written_by_train else None
@@ -144,12 +153,34 @@ def load_trained_weights(model, checkpoint: str | Path):
         raise ValueError(f"--checkpoint {checkpoint} is not a valid checkpoint: {problem}; pass an intact one "
                          "(a run folder's checkpoints/step_N; its other checkpoints are checked the same way)")
     description = TrainedWeights.read(checkpoint)
-    weights = load_file(str(weights_file))
+    weights = read_trained_weights(checkpoint)
     module: torch.nn.Module = model.trainable_module()
     if description.finetune == "lora":
         add_lora(module, description.lora["rank"], description.lora["alpha"], description.lora["target_modules"])
     missing, unexpected = module.load_state_dict(weights, strict=False)
     missing = [key for key in missing if description.finetune == "full" or "lora_" in key]
     if unexpected or missing:
-        raise ValueError(f"{weights_file} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(f"{checkpoint}'s weights do not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model
+
+
+def read_trained_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's trained weights (the whole denoiser, or its LoRA adapters), keyed by name,
+    on the CPU: its ``model.safetensors``, or the weights of its sharded ``dcp/`` folder read and
+    joined in this process (no process group; the optimizer state there is not read)."""
+    from safetensors.torch import load_file
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "model.safetensors").is_file():
+        return load_file(str(checkpoint / "model.safetensors"))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(checkpoint / SHARDS))
+    entries = reader.read_metadata().state_dict_metadata
+    weights = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in entries.items()
+               if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # torch warns that it loads in one process, which is the intent here
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(weights, storage_reader=reader, no_dist=True)
+    return {key.removeprefix("model."): value for key, value in weights.items()}

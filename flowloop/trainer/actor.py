@@ -27,7 +27,8 @@ from flowloop.rollout.engine import guided_velocity
 from flowloop.rollout.types import SamplingParams
 from flowloop.trainer.lora import adapters_disabled, add_lora
 from flowloop.trainer.objectives import get_objective
-from flowloop.trainer.sharding import RankShare, full_value, gather_train_state, load_train_state
+from flowloop.trainer.run_folder import apply_to_train_state
+from flowloop.trainer.sharding import RankShare, full_value, gather_train_state, load_train_state, read_shards, save_shards
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +75,33 @@ class Actor:
         shards when the module is sharded (`full_state` gathers them)."""
         return {k: v for k, v in self.module.state_dict().items() if self.config.finetune == "full" or "lora_" in k}
 
-    def full_state(self, keep: bool = True) -> dict | None:
+    def full_state(self, keep: bool = True, gather: bool = True) -> dict | None:
         """Trainable weights, optimizer, schedule and EMA, unsharded and keyed by name (a
         collective when sharded; None where not ``keep``): what a checkpoint holds, loadable on
-        any number of ranks."""
-        state = gather_train_state(self.module, self.optimizer, set(self.trainable_state()), self.share, keep)
+        any number of ranks. Without ``gather`` only the schedule and EMA (weights and optimizer
+        None, for a checkpoint whose ranks write their shards: `save_shards`)."""
+        state = {"model": None, "optimizer": None} if not gather else gather_train_state(
+            self.module, self.optimizer, set(self.trainable_state()), self.share, keep)
         if state is not None:
             state["scheduler"] = self.scheduler.state_dict()
             state["ema"] = None if self.ema is None else {k: v.detach().cpu() for k, v in self.ema.items()}
         return state
 
+    def save_shards(self, folder: str) -> dict:
+        """Write this rank's shards of the trainable weights and optimizer state into ``folder``
+        (torch.distributed.checkpoint; a collective). Returns this rank's non-finite weights:
+        when any rank has one, nothing is written."""
+        return save_shards(self.module, self.optimizer, set(self.trainable_state()), folder)
+
     def load_full_state(self, state: dict) -> None:
-        """Load `full_state`'s result (saved by any number of ranks)."""
+        """Load `full_state`'s result (saved by any number of ranks), or, when ``state["shards"]``
+        names a `save_shards` folder, this rank's part of it (saved by any number of ranks; a
+        collective). ``state["changes"]``: resumed settings to put into the optimizer and schedule
+        (`apply_to_train_state`)."""
+        if state.get("shards") is not None:
+            model, optim = read_shards(self.module, self.optimizer, set(self.trainable_state()), state["shards"])
+            state = {**state, "model": model, "optimizer": optim, "full": False}
+        apply_to_train_state(state, state.get("changes") or {})
         load_train_state(self.module, self.optimizer, state, self.share)
         self.scheduler.load_state_dict(state["scheduler"])
         if self.ema is not None:

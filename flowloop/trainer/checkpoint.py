@@ -4,11 +4,15 @@ A run folder (`new_run_dir`) holds ``checkpoints/step_{N:06d}/``, each with
 
     model.safetensors   the trained weights (full weights or adapters: whatever dict is passed)
     optimizer.pt        optimizer.state_dict()                       (when given)
+    dcp/                instead of those two, from a trainer sharded over several ranks: each
+                        rank's shards of the weights and optimizer state, written by the ranks
+                        with torch.distributed.checkpoint (`save_checkpoint`'s ``shards``)
     schedulers.pt       [scheduler.state_dict(), ...]                (when given)
     state.pt            step, RNG states, data position, extra       (plain types and tensors)
     flowloop.json       what the weights are: base model, family, dtype, LoRA settings
                         (`flowloop.models.TrainedWeights`; when given), so the folder loads alone
-    manifest.json       format, step, and every file's size and sha256, written last
+    manifest.json       format, step, and every file's size and sha256 (``dcp/`` files by their
+                        path inside the folder), written last
 
 A checkpoint is written into a temporary folder beside its final place, every file fsynced, then
 renamed into place, so a crash leaves either a complete checkpoint or a ``.tmp`` folder that is
@@ -26,7 +30,7 @@ import random
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowloop.models.trained import CHECKPOINT_FORMAT as FORMAT
-from flowloop.models.trained import DESCRIPTION, MANIFEST, TrainedWeights, checkpoint_problem
+from flowloop.models.trained import DESCRIPTION, MANIFEST, SHARDS, TrainedWeights, checkpoint_problem
 from flowloop.trainer.checkpoint_files import (
     check_plain, fsync, fsync_dir, safetensors_ready, sha256, state_dict, torch_save, write_synced,
 )
@@ -67,7 +71,10 @@ class LoadedCheckpoint:
     path: Path
     step: int
     model_state: dict[str, torch.Tensor]
+    """Empty for a sharded checkpoint: its weights are in ``shards``."""
     optimizer_state: dict | None = None
+    shards: Path | None = None
+    """A sharded checkpoint's ``dcp/`` folder (weights and optimizer state), else None."""
     scheduler_states: list[dict] | None = None
     rng_state: dict | None = None
     data_state: dict = field(default_factory=dict)
@@ -127,7 +134,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
-    model_state: Mapping[str, torch.Tensor],
+    model_state: Mapping[str, torch.Tensor] | None,
     optimizer: Any = None,
     schedulers: Sequence[Any] | None = None,
     rng_state: Mapping[str, Any] | None = None,
@@ -135,6 +142,7 @@ def save_checkpoint(
     extra: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
     description: TrainedWeights | None = None,
+    shards: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step_{step:06d}/`` atomically and return its path.
 
@@ -143,19 +151,31 @@ def save_checkpoint(
     anything else to restore (plain types and tensors: advantage tracker, non-finite guard...).
     ``description``: what ``model_state`` is (`describe_weights`), for loading and export.
     ``keep_last``: afterwards delete all but the newest ``keep_last`` step folders (None: keep all).
+    ``shards``: in place of ``model_state`` (None) and ``optimizer``, called with the empty
+    ``dcp/`` folder of the checkpoint being written, where the trainer ranks write their shards
+    (`flowloop.trainer.placement.WorkerGroup.save_shards`); an error it raises leaves no checkpoint.
     An existing folder for the same step is replaced.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be None (keep all) or an int >= 1, got {keep_last!r}")
+    if (model_state is None) == (shards is None):
+        raise ValueError("pass either model_state (one file) or shards (a sharded trainer writes them), not both")
     parent = Path(run_dir) / CHECKPOINTS
     parent.mkdir(parents=True, exist_ok=True)
     final = parent / f"step_{step:06d}"
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{final.name}.", suffix=".tmp"))
     try:
-        # 1. Every file into the temporary folder, each fsynced.
-        save_file(safetensors_ready(model_state), tmp / "model.safetensors", metadata={"step": str(step)})
+        # 1. Every file into the temporary folder, each fsynced (torch.distributed.checkpoint
+        # fsyncs the files it writes).
+        if shards is not None:
+            (tmp / SHARDS).mkdir()
+            shards(tmp / SHARDS)
+            fsync_dir(tmp / SHARDS)
+        else:
+            save_file(safetensors_ready(model_state), tmp / "model.safetensors", metadata={"step": str(step)})
+            fsync(tmp / "model.safetensors")
         if optimizer is not None:
             torch_save(state_dict(optimizer), tmp / "optimizer.pt")
         if schedulers is not None:
@@ -166,10 +186,10 @@ def save_checkpoint(
         torch_save(state, tmp / "state.pt")
         if description is not None:
             write_synced(tmp / DESCRIPTION, json.dumps(description.as_dict(), indent=1))
-        fsync(tmp / "model.safetensors")
 
         # 2. The manifest last: a folder without a matching one is never taken as valid.
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.iterdir())}
+        files = {p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
         write_synced(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
         fsync_dir(tmp)
 
@@ -231,7 +251,8 @@ def load_checkpoint(
 
     Loads the optimizer and scheduler states into ``optimizer`` / ``schedulers`` when given (the
     checkpoint must have them). The model weights (``model_state``) and RNG states
-    (`restore_rng_state`) are returned for the caller to apply.
+    (`restore_rng_state`) are returned for the caller to apply. A sharded checkpoint's weights
+    and optimizer state stay in its ``dcp/`` folder (``shards``), which the trainer ranks read.
     """
     path = Path(path)
     if not path.is_dir():
@@ -240,10 +261,12 @@ def load_checkpoint(
     if problem is not None:
         raise ValueError(f"{path} is not a valid checkpoint: {problem}")
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    sharded = (path / SHARDS).is_dir()
     ckpt = LoadedCheckpoint(
         path=path,
         step=int(state["step"]),
-        model_state=load_file(path / "model.safetensors", device=str(map_location)),
+        model_state={} if sharded else load_file(path / "model.safetensors", device=str(map_location)),
+        shards=path / SHARDS if sharded else None,
         rng_state=state["rng_state"],
         data_state=state["data_state"],
         extra=state["extra"],
@@ -254,7 +277,8 @@ def load_checkpoint(
         ckpt.scheduler_states = torch.load(path / "schedulers.pt", map_location="cpu", weights_only=True)
     if optimizer is not None:
         if ckpt.optimizer_state is None:
-            raise ValueError(f"{path} has no optimizer state to load")
+            where = " (it is sharded: the trainer ranks load it from dcp/)" if sharded else ""
+            raise ValueError(f"{path} has no optimizer state to load{where}")
         optimizer.load_state_dict(ckpt.optimizer_state)
     if schedulers is not None:
         states = ckpt.scheduler_states or []

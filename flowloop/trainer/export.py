@@ -1,8 +1,10 @@
 """`flowloop export`: turn a training checkpoint into files diffusers and peft load without flowloop.
 
 A checkpoint (`flowloop.trainer.checkpoint`) holds the trained denoiser weights under the names
-the training module gives them, plus ``flowloop.json`` (`flowloop.models.TrainedWeights`) saying
-what they belong to. Export checks the checkpoint's sha256 manifest, then writes into ``out``:
+the training module gives them (``model.safetensors``, or the shards of a trainer that ran on
+several ranks in ``dcp/``, joined here in one process: `flowloop.models.trained.read_trained_weights`),
+plus ``flowloop.json`` (`flowloop.models.TrainedWeights`) saying what they belong to. Export
+checks the checkpoint's sha256 manifest, then writes into ``out``:
 
 LoRA
     adapter_config.json + adapter_model.safetensors   a peft adapter (``PeftModel.from_pretrained``,
@@ -25,10 +27,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from flowloop.models import EMBEDDED_MODEL
-from flowloop.models.trained import DESCRIPTION, TrainedWeights
+from flowloop.models.trained import DESCRIPTION, TrainedWeights, read_trained_weights
 from flowloop.trainer.checkpoint import CHECKPOINTS, MANIFEST, checkpoint_problem, latest_valid_checkpoint
 
 __all__ = ["DIFFUSERS_LORA_FILE", "export", "resolve_checkpoint"]
@@ -73,7 +75,7 @@ def export(source: str | Path, out: str | Path, model_path: str | Path | None = 
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} is not empty; export into a new folder")
     description = TrainedWeights.read(checkpoint)
-    weights = load_file(str(checkpoint / "model.safetensors"))
+    weights = read_trained_weights(checkpoint)
     if description.finetune == "lora":
         written = _export_lora(weights, description, out)
     else:

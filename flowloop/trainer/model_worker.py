@@ -142,14 +142,22 @@ class ModelWorker:
         return None if state is None else [ray.put(state)]
 
     # -- checkpoints ----------------------------------------------------------------------
-    async def checkpoint_state(self) -> dict[str, Any] | None:
+    async def checkpoint_state(self, gather: bool = True) -> dict[str, Any] | None:
         """Full (unsharded) model, optimizer and scheduler state, keyed by parameter name, so a
-        checkpoint loads on any world size; on rank 0 (None elsewhere). A collective."""
+        checkpoint loads on any world size; on rank 0 (None elsewhere). A collective. Without
+        ``gather``: the schedule and EMA only, on any one rank (`save_shards` writes the rest)."""
         self._need("actor", "checkpoint_state")
-        return await _on_compute(self.actor.full_state, self.share.rank == 0)
+        return await _on_compute(self.actor.full_state, self.share.rank == 0 or not gather, gather)
+
+    async def save_shards(self, folder: str) -> list[str]:
+        """Write this rank's shards of the weights and optimizer state into ``folder``
+        (`Actor.save_shards`; a collective); returns its non-finite weights (then nothing is written)."""
+        self._need("actor", "save_shards")
+        return await _on_compute(self.actor.save_shards, folder)
 
     async def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        """Load `checkpoint_state`'s result (every rank gets the whole of it)."""
+        """Load `checkpoint_state`'s result (every rank gets the whole of it), or this rank's part
+        of the shards ``state["shards"]`` names (`Actor.load_full_state`; a collective)."""
         self._need("actor", "load_checkpoint_state")
         await _on_compute(self.actor.load_full_state, state)
 

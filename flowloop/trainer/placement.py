@@ -3,7 +3,8 @@
     group = WorkerGroup.create(cfg)             # local: one worker object; ray: actors, placed
     metrics = group.update(batch, adv, gen)     # every trainer rank, the same batch and generator state
     group.sync_weights(manager, version)        # replicas sample update `version`'s weights next
-    state = group.checkpoint_state(); group.load_checkpoint_state(state)
+    state = group.checkpoint_state(); group.load_checkpoint_state(state)   # whole, on rank 0
+    group.save_shards(folder)                   # or each rank its shards (several ranks)
     group.shutdown()
 
 Ray mode puts the trainer ranks in one placement group (one bundle per rank: a GPU, or a CPU),
@@ -106,8 +107,24 @@ class WorkerGroup:
             state = published[0][0]
         manager.update_weights(self.replicas, state, version)
 
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self, gather: bool = True) -> dict:
+        """The trained weights, optimizer state, schedule and EMA, unsharded (a collective), or
+        without ``gather`` the schedule and EMA only (from rank 0; `save_shards` writes the rest)."""
+        if not gather:
+            return self._all(self.actors[:1], "checkpoint_state", False)[0]
         return self._all(self.actors, "checkpoint_state")[0]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the trainer is split over several ranks (then checkpoints are written in shards)."""
+        return len(self.actors) > 1
+
+    def save_shards(self, folder) -> list[str]:
+        """Every rank writes its shards of the weights and optimizer state into ``folder``
+        (torch.distributed.checkpoint; the folder must be reachable from every rank's node).
+        Returns the weights that are not finite on some rank (then nothing was written)."""
+        results = self._all(self.actors, "save_shards", str(folder))
+        return sorted({name for bad in results for name in bad})
 
     def load_checkpoint_state(self, state: dict) -> None:
         self._all(self.actors, "load_checkpoint_state", self._shared(state))

@@ -40,7 +40,8 @@ from flowloop.trainer.losses import NonFiniteGuard, NonFiniteLossError
 from flowloop.trainer.metrics_log import METRICS_FILE, MetricsLogger, ProgressLine
 from flowloop.trainer.pipeline import RolloutPipeline
 from flowloop.trainer.placement import WorkerGroup
-from flowloop.trainer.run_folder import RunLock, apply_to_train_state, check_resume_config, clean_stale_temporaries
+from flowloop.trainer.run_folder import RunLock, check_resume_config, clean_stale_temporaries
+from flowloop.trainer.sharding import nonfinite
 from flowloop.trainer.step_metrics import category_reward_means, reward_extra_means
 from flowloop.trainer.stop import StopRequest
 from flowloop.visual import save_grid
@@ -272,20 +273,24 @@ class RLRecipe:
         extra = {"guard": self.guard.state_dict(), "history": json.dumps(self.history), "before": json.dumps(getattr(self, "before", {}))}
         if self.tracker is not None:
             extra["tracker"] = self.tracker.state_dict()
-        trained = self.group.checkpoint_state()  # unsharded: loads on any number of ranks
-        bad = [k for k, v in trained["model"].items() if v.is_floating_point() and not torch.isfinite(v).all()]
-        if bad:
-            last = "none" if self.saved_step is None else f"step {self.saved_step}"
-            raise NonFiniteLossError(f"the weights of step {step} are not finite ({len(bad)} tensors, e.g. {bad[0]}): not "
-                                     f"saved; the last finite checkpoint ({last}) is in {self.run_dir / 'checkpoints'}")
+        sharded = self.group.sharded  # then each rank writes its shards (dcp/), else rank 0 the whole
+        trained = self.group.checkpoint_state(gather=not sharded)  # either loads on any number of ranks
+        self._refuse_nonfinite(step, [] if sharded else nonfinite(trained["model"]))
         if trained["ema"] is not None:
             extra["ema"] = trained["ema"]
         state = dict(before) if before is not None else self._state_before_step()
         path = save_checkpoint(self.run_dir, step, trained["model"], trained["optimizer"], [trained["scheduler"]],
                                state, {"step": step}, extra, keep_last=self.cfg.trainer.keep_last,
-                               description=describe_weights(self.cfg.model, self.cfg.actor))
+                               description=describe_weights(self.cfg.model, self.cfg.actor),
+                               shards=(lambda f: self._refuse_nonfinite(step, self.group.save_shards(f))) if sharded else None)
         self.saved_step = step
         return path
+
+    def _refuse_nonfinite(self, step: int, bad: list[str]) -> None:
+        if bad:
+            last = "none" if self.saved_step is None else f"step {self.saved_step}"
+            raise NonFiniteLossError(f"the weights of step {step} are not finite ({len(bad)} tensors, e.g. {bad[0]}): not "
+                                     f"saved; the last finite checkpoint ({last}) is in {self.run_dir / 'checkpoints'}")
 
     def _state_before_step(self) -> dict:
         state = capture_rng_state()
@@ -307,7 +312,7 @@ class RLRecipe:
     def _restore(self, checkpoint: Path) -> None:
         loaded = load_checkpoint(checkpoint)
         state = train_state(loaded)
-        apply_to_train_state(state, getattr(self, "resume_changes", {}))
+        state["changes"] = getattr(self, "resume_changes", {})  # each rank puts them into its optimizer state
         self.group.load_checkpoint_state(state)
         rng = dict(loaded.rng_state)
         self.generator.set_state(rng.pop("trainer_generator"))
@@ -346,10 +351,11 @@ class RLRecipe:
 
 
 def train_state(loaded) -> dict:
-    """A loaded checkpoint's weights, optimizer, schedule and EMA, as `Actor.load_full_state` takes them."""
-    if loaded.optimizer_state is None or not loaded.scheduler_states:
+    """A loaded checkpoint's weights, optimizer, schedule and EMA, as `Actor.load_full_state` takes
+    them; a sharded checkpoint's weights and optimizer state stay in its ``shards`` folder."""
+    if (loaded.optimizer_state is None and loaded.shards is None) or not loaded.scheduler_states:
         raise ValueError(f"{loaded.path} has no optimizer or schedule state to resume from")
-    return {"model": loaded.model_state, "optimizer": loaded.optimizer_state,
+    return {"model": loaded.model_state, "optimizer": loaded.optimizer_state, "shards": loaded.shards and str(loaded.shards),
             "scheduler": loaded.scheduler_states[0], "ema": loaded.extra.get("ema")}
 
 

@@ -11,6 +11,7 @@ with the same weights (`RankShare.all_reduce_sums`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -99,15 +100,60 @@ def gather_train_state(module: torch.nn.Module, optimizer, trainable: set[str], 
     return {"model": {k: v.detach().cpu() for k, v in model.items() if k in trainable}, "optimizer": optim}
 
 
+def save_shards(module, optimizer, trainable: set[str], folder) -> list[str]:
+    """Write this rank's shards of the ``trainable`` weights and of the optimizer state into
+    ``folder`` with torch.distributed.checkpoint (a collective: every rank calls it with the same
+    folder). Frozen weights (a LoRA run's base model) are not written. Returns the names of the
+    weights whose local shard is not finite; when any rank has one, no rank writes anything."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(module, optimizer)
+    model = {k: v for k, v in model.items() if k in trainable}
+    bad = nonfinite(model)
+    found = torch.tensor([len(bad)])
+    if dist.is_initialized():
+        dist.all_reduce(found)
+    if int(found) > 0:
+        return bad
+    dcp.save({"model": model, "optimizer": optim}, checkpoint_id=folder)
+    return []
+
+
+def read_shards(module, optimizer, trainable: set[str], folder) -> tuple[dict, dict]:
+    """This process's part of a `save_shards` checkpoint, in the layout of its own ``module``
+    (sharded over any number of ranks, or whole): ``(model, optimizer)`` state dicts keyed by
+    parameter name, for `load_train_state`. A collective when a process group is up."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(module, optimizer)  # a fresh optimizer gets its state's shape (a zero-lr step)
+    model = {k: v for k, v in model.items() if k in trainable}
+    state = {"model": model, "optimizer": optim}
+    with warnings.catch_warnings():  # without a process group torch warns that it loads in one process: the intent
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder)
+    return state["model"], state["optimizer"]
+
+
 def load_train_state(module: torch.nn.Module, optimizer, state: dict, share: RankShare) -> None:
-    """Load `gather_train_state`'s result, whatever the number of ranks that saved it."""
+    """Load `gather_train_state`'s result, whatever the number of ranks that saved it, or (with
+    ``state["full"]`` False) `read_shards`' result, already in this rank's layout."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=share.distributed, strict=False)
+    full = share.distributed and state.get("full", True)
+    options = StateDictOptions(full_state_dict=full, strict=False)
     missing = set_model_state_dict(module, state["model"], options=options).missing_keys
     unknown = [k for k in state["model"] if k not in module.state_dict()]
     if unknown:
         raise ValueError(f"checkpoint weights {unknown[:3]} are not in the model; was it saved with other "
                          f"actor.finetune / LoRA settings? ({len(missing)} of the model's weights not in it)")
     set_optimizer_state_dict(module, optimizer, state["optimizer"],
-                             options=StateDictOptions(full_state_dict=True) if share.distributed else None)
+                             options=StateDictOptions(full_state_dict=True) if full else None)
+
+
+def nonfinite(weights: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point weights holding a NaN or an infinity (of a DTensor: in
+    this rank's shard)."""
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in weights.items()}
+    return [k for k, v in local.items() if v.is_floating_point() and not torch.isfinite(v).all()]

@@ -1,6 +1,6 @@
 """Scale-out on a local Ray cluster (CPU, gloo): two FSDP2 trainer ranks compute the one-process
-update; replicas sample each update's weights; checkpoints move between world sizes; a killed
-replica is replaced and the step completes."""
+update; replicas sample each update's weights; sharded checkpoints (torch.distributed.checkpoint)
+move between world sizes; a killed replica is replaced and the step completes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ import json
 import pytest
 import ray
 import torch
+from safetensors.torch import load_file
 
 from flowloop.agent_loop import AgentLoopManager
+from flowloop.models.trained import read_trained_weights
 from flowloop.protocol import Batch
 from flowloop.trainer.advantages import compute_advantages
+from flowloop.trainer.checkpoint import (
+    checkpoint_problem, describe_weights, latest_valid_checkpoint, load_checkpoint, save_checkpoint,
+)
+from flowloop.trainer.export import export
 from flowloop.trainer.placement import WorkerGroup
 from flowloop.trainer.recipe import run, train_state
 from tests.trainer.test_recipe import tiny_config  # noqa: F401  (registers the test_brightness reward)
@@ -102,26 +108,125 @@ def test_ray_run_with_two_ranks_two_replicas_two_reward_workers_trains_on_policy
         assert row["rollout/weight_version"] == row["step"] - 1
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_rank(cluster, tiny_model_dir, tmp_path):
-    two = tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2", "trainer.save_every=2",
+def shard_files(checkpoint):
+    return sorted(p.name for p in (checkpoint / "dcp").iterdir())
+
+
+def two_rank_run(model_dir, tmp_path):
+    """Two steps of a 2-rank run (full fine-tune), checkpointed at step 2."""
+    two = tiny_config(model_dir, tmp_path, "trainer.total_steps=2", "trainer.save_every=2",
                       "scale.mode=ray", "scale.world_size=2", "rollout.reward.name=jpeg_compressibility")
     run(two, log=lambda _: None)
-    saved = tmp_path / "shapes" / "checkpoints" / "step_000002"
+    return two, tmp_path / "shapes" / "checkpoints" / "step_000002"
+
+
+def assert_steps_continue(run_dir, last):
+    steps = [r["step"] for r in metrics_rows(run_dir)]
+    assert steps == sorted(steps) and steps[-1] == last and steps.count(last) == 1 and steps.count(last - 1) == 1
+
+
+def test_a_two_rank_checkpoint_is_sharded_and_resumes_on_one_rank(cluster, tiny_model_dir, tmp_path):
+    two, saved = two_rank_run(tiny_model_dir, tmp_path)
+    # 1. Written in shards by the two ranks: no whole-model file, and the manifest covers the shards.
+    assert shard_files(saved) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (saved / "model.safetensors").exists() and not (saved / "optimizer.pt").exists()
+    listed = json.loads((saved / "manifest.json").read_text())["files"]
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "state.pt", "schedulers.pt"} <= set(listed)
+    weights = read_trained_weights(saved)  # joined in this process, without a process group
+    # 2. Loaded by one rank: the weights the two ranks saved.
     one = changed(two, scale={"world_size": 1}, trainer={"total_steps": 3, "resume": "auto"})
     group = WorkerGroup.create(one)
     try:
-        from flowloop.trainer.checkpoint import load_checkpoint
-
-        loaded = load_checkpoint(saved)
-        group.load_checkpoint_state(train_state(loaded))
+        group.load_checkpoint_state(train_state(load_checkpoint(saved)))
         after = group._all(group.actors, "trainable_state", True)[0]
     finally:
         group.shutdown()
-    for name, value in loaded.model_state.items():
-        assert torch.equal(after[name], value), name
+    _assert_equal(after, weights)
+    # 3. The resumed run continues the metrics log where it stopped.
     run(one, log=lambda _: None)
-    steps = [r["step"] for r in metrics_rows(tmp_path / "shapes")]
-    assert steps == sorted(steps) and steps[-1] == 3 and steps.count(3) == 1 and steps.count(2) == 1
+    assert_steps_continue(tmp_path / "shapes", 3)
+
+
+def test_a_two_rank_checkpoint_resumes_on_two_ranks(cluster, tiny_model_dir, tmp_path):
+    two, saved = two_rank_run(tiny_model_dir, tmp_path)
+    run(changed(two, trainer={"total_steps": 3, "resume": "auto"}), log=lambda _: None)
+    assert_steps_continue(tmp_path / "shapes", 3)
+    assert shard_files(saved.parent / "step_000003") == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def sharded_lora_checkpoint(model_dir, tmp_path):
+    """A 2-rank LoRA trainer after one update writes its shards; returns the run's config, the
+    checkpoint and the state the ranks held (gathered)."""
+    cfg = tiny_config(model_dir, tmp_path, "actor.finetune=lora", "actor.objective=nft", "scale.mode=ray",
+                      "scale.world_size=2", "rollout.reward.name=jpeg_compressibility")
+    batch, advantages = scored_batch(cfg)
+    group = WorkerGroup.create(cfg)
+    try:
+        group.update(batch, advantages, torch.Generator().manual_seed(0))
+        expected = group.checkpoint_state()  # gathered on rank 0
+        saved = save_checkpoint(tmp_path / "run", 1, None, schedulers=[expected["scheduler"]],
+                                description=describe_weights(cfg.model, cfg.actor), shards=group.save_shards)
+    finally:
+        group.shutdown()
+    return cfg, saved, expected
+
+
+def assert_loads_on(world_size, cfg, saved, expected):
+    """``world_size`` fresh ranks load the adapters and optimizer state the saving ranks held."""
+    fresh = WorkerGroup.create(changed(cfg, scale={"world_size": world_size}))
+    try:
+        fresh.load_checkpoint_state(train_state(load_checkpoint(saved)))
+        loaded = fresh.checkpoint_state()
+    finally:
+        fresh.shutdown()
+    _assert_equal(loaded["model"], expected["model"])
+    _assert_equal(loaded["optimizer"]["state"], expected["optimizer"]["state"])
+    assert loaded["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+
+
+def test_sharded_lora_checkpoint_loads_on_any_world_size_exports_and_is_verified(cluster, tiny_model_dir, tmp_path):
+    """1 and 2 fresh ranks load what 2 ranks saved (bit for bit, with the optimizer state); export
+    gives the gathered adapters; a changed shard fails the manifest."""
+    cfg, saved, expected = sharded_lora_checkpoint(tiny_model_dir, tmp_path)
+    assert shard_files(saved) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert all("lora_" in name for name in expected["model"])  # the frozen base weights are not written
+    # 1. One process reads the adapters (no process group); 1 and 2 fresh ranks load them.
+    _assert_equal(read_trained_weights(saved), expected["model"])
+    for world_size in (1, 2):
+        assert_loads_on(world_size, cfg, saved, expected)
+    # 2. The export's adapters are the gathered ones (peft's names: no adapter name inside).
+    written = export(saved, tmp_path / "export")
+    adapters = load_file(str(written["peft"] / "adapter_model.safetensors"))
+    assert len(adapters) == len(expected["model"])
+    for name, value in expected["model"].items():
+        assert torch.equal(adapters["base_model.model." + name.replace(".default.weight", ".weight")], value), name
+    # 3. A changed byte in one rank's shard: the checkpoint is refused, by name.
+    shard = saved / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert checkpoint_problem(saved) == "dcp/__1_0.distcp does not match its sha256 in the manifest"
+    assert latest_valid_checkpoint(tmp_path / "run") is None
+    with pytest.raises(ValueError, match="__1_0.distcp does not match"):
+        load_checkpoint(saved)
+
+
+@pytest.mark.slow
+def test_a_two_rank_sharded_checkpoint_loads_on_four_ranks(cluster, tiny_model_dir, tmp_path):
+    """Four fresh ranks reshard what two saved, bit for bit (about a minute on two CPU cores)."""
+    assert_loads_on(4, *sharded_lora_checkpoint(tiny_model_dir, tmp_path))
+
+
+def _assert_equal(got, expected):
+    """Nested dicts of tensors (and plain values) equal, bit for bit."""
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            _assert_equal(got[key], value)
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
 
 
 def test_a_killed_replica_restarts_and_the_step_completes(cluster, tiny_model_dir, tmp_path):
