@@ -141,8 +141,9 @@ def file_sha256(path: Path) -> str:
 def load_trained_weights(model, checkpoint: str | Path):
     """Put a checkpoint's denoiser weights (full or LoRA) into ``model`` and return it.
 
-    ``checkpoint`` is a ``runs/<name>/checkpoints/step_N`` folder. For LoRA the adapters are first
-    added with the settings the checkpoint records, then filled in.
+    ``checkpoint`` is a ``runs/<name>/checkpoints/step_N`` folder (weights in one file, or in the
+    shards of several ranks: `read_trained_weights`). For LoRA the adapters are first added with
+    the settings the checkpoint records, then filled in.
     """
     weights_file = Path(checkpoint) / "model.safetensors"
     if not weights_file.is_file() and not (Path(checkpoint) / SHARDS).is_dir():

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowloop.agent_loop import AgentLoopManager
+from flowloop.models import load_flow_model, load_trained_weights
 from flowloop.models.trained import read_trained_weights
 from flowloop.protocol import Batch
 from flowloop.trainer.advantages import compute_advantages
@@ -186,7 +187,7 @@ def assert_loads_on(world_size, cfg, saved, expected):
 
 def test_sharded_lora_checkpoint_loads_on_any_world_size_exports_and_is_verified(cluster, tiny_model_dir, tmp_path):
     """1 and 2 fresh ranks load what 2 ranks saved (bit for bit, with the optimizer state); export
-    gives the gathered adapters; a changed shard fails the manifest."""
+    and ``--checkpoint`` give the gathered adapters; a changed shard fails the manifest."""
     cfg, saved, expected = sharded_lora_checkpoint(tiny_model_dir, tmp_path)
     assert shard_files(saved) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert all("lora_" in name for name in expected["model"])  # the frozen base weights are not written
@@ -200,7 +201,10 @@ def test_sharded_lora_checkpoint_loads_on_any_world_size_exports_and_is_verified
     assert len(adapters) == len(expected["model"])
     for name, value in expected["model"].items():
         assert torch.equal(adapters["base_model.model." + name.replace(".default.weight", ".weight")], value), name
-    # 3. A changed byte in one rank's shard: the checkpoint is refused, by name.
+    # 3. `--checkpoint` (eval, generate) puts the same adapters into a freshly loaded model.
+    model = load_trained_weights(load_flow_model(tiny_model_dir), saved)
+    _assert_equal({k: v for k, v in model.trainable_module().state_dict().items() if "lora_" in k}, expected["model"])
+    # 4. A changed byte in one rank's shard: the checkpoint is refused, by name.
     shard = saved / "dcp" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
