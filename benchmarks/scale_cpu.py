@@ -7,7 +7,8 @@ Every setting trains the shapes recipe (the embedded model) for ``--steps`` step
 `flowloop train` with ``scale.mode=ray`` on a local Ray cluster, and reads the steps' times from
 its metrics.jsonl (the first step is left out: it pays the one-off costs). Figures:
 ``samples/s`` = rows per step / ``time/generate``; ``step_s`` = mean ``time/step``;
-``sync_s`` = mean ``time/weight_sync``. Ranks and replicas each get ``--threads`` torch threads.
+``sync_s`` = mean ``time/weight_sync``. With ``rollout.max_staleness`` 1 the next step's rows
+sample during the update, so ``time/generate`` is only the time the trainer waited for them. Ranks and replicas each get ``--threads`` torch threads.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ SETTINGS = {
     "local, 1 process": ["scale.mode=local"],
     "ray colocated, 1 rank": ["scale.mode=ray", "scale.placement=colocated"],
     "ray disaggregated, 1 rank + 1 replica": ["scale.mode=ray", "scale.placement=disaggregated", "scale.rollout_replicas=1"],
+    "ray disaggregated, 1 rank + 1 replica, max_staleness 1": ["scale.mode=ray", "scale.placement=disaggregated",
+                                                               "scale.rollout_replicas=1", "rollout.max_staleness=1"],
     "ray disaggregated, 1 rank + 2 replicas": ["scale.mode=ray", "scale.placement=disaggregated", "scale.rollout_replicas=2"],
     "ray colocated, 2 ranks": ["scale.mode=ray", "scale.placement=colocated", "scale.world_size=2"],
 }
@@ -75,12 +78,12 @@ def main() -> None:
                 continue
             results.append(measure(name, overrides, args, Path(tmp)))
             print(json.dumps(results[-1]), flush=True)
-    print(f"\n{'setting':42} {'samples/s':>10} {'step_s':>8} {'update_s':>9} {'sync_s':>8}")
+    print(f"\n{'setting':56} {'samples/s':>10} {'step_s':>8} {'update_s':>9} {'sync_s':>8}")
     for r in results:
         if "error" in r:
-            print(f"{r['setting']:42} {r['error']}")
+            print(f"{r['setting']:56} {r['error']}")
         else:
-            print(f"{r['setting']:42} {r['samples_per_s']:10.2f} {r['step_s']:8.2f} {r['update_s']:9.2f} {r['sync_s']:8.3f}")
+            print(f"{r['setting']:56} {r['samples_per_s']:10.2f} {r['step_s']:8.2f} {r['update_s']:9.2f} {r['sync_s']:8.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -9,6 +9,7 @@ import torch
 
 from flowloop.agent_loop import AgentLoopManager, encode_chat, chat_messages
 from flowloop.models import load_flow_model
+from flowloop.rollout.server import RolloutServer
 from flowloop.tasks import shapes
 from tests.agent_loop.helpers import CONTRACT_NON_TENSORS, CONTRACT_TENSORS, SHAPES_EXTRA_KEYS, prompt_batch, small_config
 
@@ -101,3 +102,19 @@ def test_missing_ray_names_the_extra(monkeypatch, model):
 def test_unknown_mode_is_rejected(model):
     with pytest.raises(ValueError, match=r"mode must be one of \['local', 'ray'\]"):
         AgentLoopManager.create(small_config(), model, mode="slurm")
+
+
+def test_a_batch_in_flight_keeps_its_weights_through_an_update_and_shutdown_cancels_one(model):
+    manager = AgentLoopManager.create(small_config(), model)
+    servers = [h for h in manager.owned if isinstance(h, RolloutServer)]
+    try:
+        manager.update_weights(servers, None, 0)
+        future = manager.generate_sequences_future(prompt_batch(2, weight_version=0))  # returns at once
+        manager.update_weights(servers, None, 1)  # waits for the batch in flight: it samples version 0 throughout
+        assert future.done() and future.result()["weight_version"].tolist() == [0] * len(future.result())
+        out = manager.generate_sequences(prompt_batch(2, weight_version=1))
+        assert out["weight_version"].tolist() == [1] * len(out)
+        pending = manager.generate_sequences_future(prompt_batch(2, weight_version=1))
+    finally:
+        manager.shutdown()
+    assert pending.cancelled() or pending.done()  # nothing left running on the closed loop
