@@ -9,9 +9,9 @@ In one run, on one device, with a run's own config (its recipe's sampler, CFG, L
 2. the ceiling: the bare denoiser forward loop at the rollout's rows (``num_inference_steps``
    guided velocities on the step's own latents and embeddings; no sampler, no decode, no
    server), timed the same way;
-3. FLOPs counted by torch's ``FlopCounterMode`` on one guided velocity (the rollout's share) and
-   on one update (forward, backward and recomputation), turned into achieved TFLOP/s, and MFU
-   against a dense matmul in the model's dtype measured in the same run;
+3. FLOPs counted by torch's ``FlopCounterMode`` on one guided velocity at the rollout's rows
+   (the update's estimated from it: `estimated_update_flops`), turned into achieved TFLOP/s,
+   and MFU against a dense matmul in the model's dtype measured in the same run;
 4. peak device memory.
 """
 
@@ -134,6 +134,17 @@ def bare_forward(model, out: Batch, cfg, device: torch.device, repeats: int = 2)
     return min(seconds), flops
 
 
+def estimated_update_flops(actor, out: Batch, forward_flops: int, cfg) -> int:
+    """An update's FLOPs from one guided velocity's counted ones (``forward_flops``, all rows):
+    per trained term a forward and a backward (2x), plus a recomputed forward with gradient
+    checkpointing and a reference forward with a KL term. Counting the update itself under
+    ``FlopCounterMode`` keeps every activation alive and runs a real-size model out of memory."""
+    keys = [k for k in actor.objective.rollout_keys if k in out]
+    terms = actor.objective.prepare({k: out[k] for k in keys}, torch.Generator().manual_seed(0))
+    per_term = 3 + int(cfg.model.gradient_checkpointing) + int(cfg.actor.kl_coef > 0)
+    return forward_flops * terms * per_term * cfg.actor.inner_epochs
+
+
 def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
     """Every figure of the module docstring for ``cfg`` (local mode), as a dict. Prompts: the
     run's task rows when its task can be built here (the shapes world, a prompt file that
@@ -157,8 +168,7 @@ def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
     try:
         timings, out = rl_steps(group, manager, cfg, steps + 1, log, task)
         forward_s, forward_flops = bare_forward(worker.model, out, cfg, device)
-        advantages = torch.linspace(-1, 1, len(out))
-        update_flops = count_flops(lambda: worker.actor.update(out, advantages, torch.Generator().manual_seed(0)))
+        update_flops = estimated_update_flops(worker.actor, out, forward_flops, cfg)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         dtype = next(worker.model.trainable_module().parameters()).dtype
         peak_tflops = matmul_tflops(device, dtype)

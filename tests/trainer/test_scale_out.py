@@ -88,7 +88,7 @@ def test_two_fsdp_ranks_compute_the_single_process_update(cluster, tiny_model_di
         assert gap <= 1e-6, (name, float(gap))
     for one, two in zip(single_metrics, sharded_metrics):
         assert one.keys() == two.keys()
-        for key in one:
+        for key in (k for k in one if not k.startswith("time/")):  # wall times differ, the math must not
             assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-6), key  # float32 sums in another order
 
 
