@@ -55,7 +55,9 @@ def measure(name: str, overrides: list[str], args, root: Path) -> dict:
     per_step = args.prompts * 16
     return {
         "setting": name,
-        "samples_per_s": statistics.mean(per_step / r["time/generate"] for r in steps),
+        # Sampling ahead, time/generate is only the wait after the update: no sampling rate to read.
+        "samples_per_s": None if "rollout.max_staleness=1" in overrides
+        else statistics.mean(per_step / r["time/generate"] for r in steps),
         "step_s": statistics.mean(r["time/step"] for r in steps),
         "update_s": statistics.mean(r["time/update"] for r in steps),
         "sync_s": statistics.mean(r.get("time/weight_sync", 0.0) for r in steps),
@@ -83,7 +85,8 @@ def main() -> None:
         if "error" in r:
             print(f"{r['setting']:56} {r['error']}")
         else:
-            print(f"{r['setting']:56} {r['samples_per_s']:10.2f} {r['step_s']:8.2f} {r['update_s']:9.2f} {r['sync_s']:8.3f}")
+            rate = "-" if r["samples_per_s"] is None else f"{r['samples_per_s']:.2f}"
+            print(f"{r['setting']:56} {rate:>10} {r['step_s']:8.2f} {r['update_s']:9.2f} {r['sync_s']:8.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 
