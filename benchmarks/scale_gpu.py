@@ -76,7 +76,7 @@ def run_mode(family: str, args, mode: str) -> dict:
     try:
         result["steps"], _ = rl_steps(group, manager, cfg, args.steps + 1,
                                       log=lambda line: print(f"{family} {mode} {line}", flush=True))
-        result["mean_engine_batch"] = group._all(group.replicas, "metrics")[0].get("mean_batch_size")
+        result["mean_engine_batch"] = group.call_all(group.replicas, "metrics")[0].get("mean_batch_size")
     finally:
         manager.shutdown()
         group.shutdown()

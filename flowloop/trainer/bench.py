@@ -91,7 +91,7 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
     the rollout-correction max; and the last step's batch."""
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
     group.sync_weights(manager, 0)
-    engine_before = group._all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
+    engine_before = group.call_all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
     rows, out = [], None
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -102,7 +102,7 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
         t2 = time.perf_counter()
         group.sync_weights(manager, step)
         t3 = time.perf_counter()
-        engine = group._all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
+        engine = group.call_all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
         rows.append({"rollout_s": t1 - t0, "update_s": t2 - t1, "update_compute_s": metrics.get("time/update_compute"),
                      "sync_s": t3 - t2, "step_s": t3 - t0, "engine_s": engine - engine_before,
                      "correction_max": metrics.get("rollout_correction/max")})

@@ -76,7 +76,9 @@ class WorkerGroup:
     def _run(self, coroutine):
         return self._loop.run_until_complete(coroutine)
 
-    def _all(self, handles: list, method: str, *args) -> list:
+    def call_all(self, handles: list, method: str, *args) -> list:
+        """``handle.method(*args)`` on every handle at once (local objects or Ray actors), in order."""
+
         async def every():
             return await asyncio.gather(*(call(h, method, *args) for h in handles))
 
@@ -84,12 +86,12 @@ class WorkerGroup:
 
     def describe(self) -> dict:
         """Tokenizer and prompt length, from the first replica (the driver loads no model)."""
-        return self._all(self.replicas[:1], "describe")[0]
+        return self.call_all(self.replicas[:1], "describe")[0]
 
     def update(self, batch, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
         """One RL update on every rank; ``generator`` moves on exactly as one process's would."""
         batch, advantages = self._shared(batch), self._shared(advantages)
-        results = self._all(self.actors, "update", batch, advantages, generator.get_state())
+        results = self.call_all(self.actors, "update", batch, advantages, generator.get_state())
         metrics, state = results[0]
         generator.set_state(state)
         return metrics
@@ -101,9 +103,9 @@ class WorkerGroup:
         > 0: straight from the actor). Runs on the manager's loop, where the replicas serve."""
         state = None
         if not self.colocated and self.local_worker is not None:
-            state = self._all(self.actors, "trainable_state", False)[0]
+            state = self.call_all(self.actors, "trainable_state", False)[0]
         elif not self.colocated:
-            published = self._all(self.actors, "publish_weights")
+            published = self.call_all(self.actors, "publish_weights")
             state = published[0][0]
         manager.update_weights(self.replicas, state, version)
 
@@ -111,8 +113,8 @@ class WorkerGroup:
         """The trained weights, optimizer state, schedule and EMA, unsharded (a collective), or
         without ``gather`` the schedule and EMA only (from rank 0; `save_shards` writes the rest)."""
         if not gather:
-            return self._all(self.actors[:1], "checkpoint_state", False)[0]
-        return self._all(self.actors, "checkpoint_state")[0]
+            return self.call_all(self.actors[:1], "checkpoint_state", False)[0]
+        return self.call_all(self.actors, "checkpoint_state")[0]
 
     @property
     def sharded(self) -> bool:
@@ -123,11 +125,11 @@ class WorkerGroup:
         """Every rank writes its shards of the weights and optimizer state into ``folder``
         (torch.distributed.checkpoint; the folder must be reachable from every rank's node).
         Returns the weights that are not finite on some rank (then nothing was written)."""
-        results = self._all(self.actors, "save_shards", str(folder))
+        results = self.call_all(self.actors, "save_shards", str(folder))
         return sorted({name for bad in results for name in bad})
 
     def load_checkpoint_state(self, state: dict) -> None:
-        self._all(self.actors, "load_checkpoint_state", self._shared(state))
+        self.call_all(self.actors, "load_checkpoint_state", self._shared(state))
 
     def ema_weights(self):
         """A block in which the replicas sample with the EMA weights (local mode: the actor's own

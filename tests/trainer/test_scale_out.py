@@ -69,7 +69,7 @@ def two_updates(cfg, batch, advantages):
     try:
         generator = torch.Generator().manual_seed(0)
         metrics = [group.update(batch, advantages, generator) for _ in range(2)]
-        weights = group._all(group.actors, "trainable_state", True)[0]
+        weights = group.call_all(group.actors, "trainable_state", True)[0]
     finally:
         group.shutdown()
     return metrics, weights
@@ -139,7 +139,7 @@ def test_a_two_rank_checkpoint_is_sharded_and_resumes_on_one_rank(cluster, tiny_
     group = WorkerGroup.create(one)
     try:
         group.load_checkpoint_state(train_state(load_checkpoint(saved)))
-        after = group._all(group.actors, "trainable_state", True)[0]
+        after = group.call_all(group.actors, "trainable_state", True)[0]
     finally:
         group.shutdown()
     _assert_equal(after, weights)
