@@ -34,7 +34,7 @@ from flowloop.agent_loop.worker import ROW_INDEX_KEY, AgentLoopWorker, _gather_o
 from flowloop.config.rollout import RolloutConfig
 from flowloop.protocol import Batch
 from flowloop.reward.worker import ERROR_KEY, RewardFailedError, RewardWorker
-from flowloop.rollout.client import replica_unusable
+from flowloop.rollout.client import replica_restarting, replica_unusable
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.server import RolloutServer
 
@@ -184,7 +184,7 @@ class AgentLoopManager:
                 except Exception as err:  # a replica Ray is restarting: wait for it, within reason
                     if not replica_unusable(err):
                         raise
-                    if time.monotonic() > deadline:
+                    if not replica_restarting(err) or time.monotonic() > deadline:  # dead for good, or too slow
                         logger.warning("replica left out of the weight update to version %d: %s", version, err)
                         return None
                     await asyncio.sleep(0.5)

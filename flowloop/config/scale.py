@@ -41,8 +41,6 @@ class ScaleConfig:
     rollout_replicas: int = 1
     """Disaggregated: rollout replicas (one device each). Colocated: one per trainer rank, so
     leave it at 1 or set it to the world size."""
-    gpus_per_replica: int = 1
-    """Disaggregated GPU runs: GPUs per rollout replica (1: tensor/sequence parallel is not offered)."""
     ray_address: Optional[str] = None
     """Ray cluster to join (``auto``, ``ray://host:10001``); None joins ``RAY_ADDRESS`` if set,
     else starts a local cluster."""
@@ -63,7 +61,7 @@ class ScaleConfig:
             raise ValueError(f"scale.mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"scale.placement must be one of {list(PLACEMENTS)}, got {self.placement!r}")
-        for key in ("world_size", "nnodes", "rollout_replicas", "gpus_per_replica"):
+        for key in ("world_size", "nnodes", "rollout_replicas"):
             if getattr(self, key) < 1:
                 raise ValueError(f"scale.{key} must be >= 1, got {getattr(self, key)}")
         if self.gpus_per_node < 0:
@@ -77,5 +75,3 @@ class ScaleConfig:
         if self.mode == "local" and (self.ranks > 1 or self.rollout_replicas > 1):
             raise ValueError(f"{self.ranks} trainer ranks / {self.rollout_replicas} rollout replicas need scale.mode=ray "
                              "(local mode is one process)")
-        if self.gpus_per_replica != 1:
-            raise ValueError("scale.gpus_per_replica must be 1: tensor/sequence parallel replicas are not offered")

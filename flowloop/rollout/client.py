@@ -101,6 +101,11 @@ class RolloutClient:
         return index
 
 
+def replica_restarting(err: BaseException) -> bool:
+    """A Ray actor that Ray is bringing back (it answers again soon), as opposed to one gone for good."""
+    return "ActorUnavailableError" in {cls.__name__ for cls in type(err).__mro__}
+
+
 def replica_unusable(err: BaseException) -> bool:
     """A dead or restarting Ray actor (matched by name: ray is not imported here), or stale weights."""
     names = {cls.__name__ for cls in type(err).__mro__}

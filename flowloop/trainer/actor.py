@@ -173,6 +173,8 @@ class Actor:
             for m, all_rows in enumerate(micro_batches):
                 rows_idx = self.share.rows(all_rows)  # this rank's part of the micro-batch
                 share = self.share.loss_scale(len(rows_idx), len(all_rows))
+                if len(rows_idx) == 0:  # fewer rows than ranks: one row at weight 0 keeps FSDP's collectives matched
+                    rows_idx, share = all_rows[-1:], 0.0
                 rows = {k: v[rows_idx] for k, v in tensors.items()}
                 adv = advantages[rows_idx]
                 fresh = stepped == 0  # no optimizer step yet: the weights are those of the rollout
@@ -217,6 +219,7 @@ class Actor:
         weights, AdamW's moments and step count, the EMA and the schedule stay as they were."""
         params = [p for p in self.module.parameters() if p.requires_grad]
         norm = full_value(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+        loss_finite = self.share.all_reduce_max(0.0 if loss_finite else 1.0) == 0.0  # every rank skips, or none
         took = loss_finite and bool(torch.isfinite(norm))
         if took:
             self.optimizer.step()

@@ -57,7 +57,8 @@ class ModelWorker:
         self.share = RankShare(rank, world_size)
         self.weight_version = 0
         if init_method is not None:
-            backend = "nccl" if str(cfg.model.device).startswith("cuda") else "gloo"
+            # NCCL for the weights on GPUs; gloo for the few CPU tensors the ranks reduce (metrics).
+            backend = "cpu:gloo,cuda:nccl" if str(cfg.model.device).startswith("cuda") else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
         # 1. The model, with the trainer's LoRA layout on every copy, so published adapters fit.
         if init_method is not None:
@@ -126,7 +127,9 @@ class ModelWorker:
             return {k: v.detach().cpu() for k, v in self.actor.trainable_state().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
+        # LoRA: the frozen base is never gathered, only the adapters.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere,
+                                   ignore_frozen_params=self.cfg.actor.finetune == "lora")
         state = get_model_state_dict(self.actor.module, options=options)
         if not everywhere and self.share.rank != 0:
             return None

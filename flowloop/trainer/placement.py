@@ -25,6 +25,9 @@ from flowloop.extras import require
 from flowloop.trainer.model_worker import ROLES, ModelWorker
 
 
+PLACEMENT_TIMEOUT_S = 300.0
+"""How long the trainer ranks and replicas may wait for the cluster's devices before the run stops."""
+
 REPLICA_RESTARTS = 3
 """Times Ray restarts a crashed rollout-only replica (disaggregated). While it comes back, its
 requests go to the others; it samples again once the next update's weights reach it. Trainer
@@ -61,7 +64,13 @@ class WorkerGroup:
         if not colocated:
             bundles += [{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1} for _ in range(scale.replicas)]
         group = ray.util.placement_group(bundles, strategy="PACK")
-        ray.get(group.ready())
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(group)
+            raise ValueError(f"the Ray cluster cannot place {len(bundles)} bundles of {bundles[0]} within "
+                             f"{PLACEMENT_TIMEOUT_S:.0f} s (ray status shows what it has); lower scale.world_size / "
+                             "scale.gpus_per_node / scale.rollout_replicas or add machines") from None
         roles = ROLES if colocated else ("actor",)
         address = _rendezvous(ray, group, gpus)
         actors = [_remote(ray, group, i, gpus, cfg, roles, i, scale.ranks, address, build) for i in range(scale.ranks)]
@@ -69,7 +78,11 @@ class WorkerGroup:
             _remote(ray, group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None, build, restarts=REPLICA_RESTARTS)
             for j in range(scale.replicas)]
         made = cls(actors, replicas, colocated, group)
-        made._run(wait_ready(list(dict.fromkeys([*actors, *replicas]))))
+        try:
+            made._run(wait_ready(list(dict.fromkeys([*actors, *replicas]))))
+        except BaseException:  # a worker failed to start: end the others and free the placement group
+            made.shutdown()
+            raise
         return made
 
     # -- calls ----------------------------------------------------------------------------

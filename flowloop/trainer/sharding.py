@@ -143,11 +143,12 @@ def load_train_state(module: torch.nn.Module, optimizer, state: dict, share: Ran
 
     full = share.distributed and state.get("full", True)
     options = StateDictOptions(full_state_dict=full, strict=False)
-    missing = set_model_state_dict(module, state["model"], options=options).missing_keys
-    unknown = [k for k in state["model"] if k not in module.state_dict()]
+    known = set(module.state_dict())
+    unknown = [k for k in state["model"] if k not in known]
     if unknown:
         raise ValueError(f"checkpoint weights {unknown[:3]} are not in the model; was it saved with other "
-                         f"actor.finetune / LoRA settings? ({len(missing)} of the model's weights not in it)")
+                         "actor.finetune / LoRA settings?")
+    set_model_state_dict(module, state["model"], options=options)
     set_optimizer_state_dict(module, optimizer, state["optimizer"],
                              options=StateDictOptions(full_state_dict=True) if full else None)
 
