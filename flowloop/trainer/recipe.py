@@ -59,6 +59,8 @@ class RLRecipe:
         self.log = log
         self.start_step = 0
         self.version = 0
+        self.updating: int | None = None
+        """The step whose update is running (None between updates)."""
         """The update count behind the replicas' weights; a step's rows must be sampled with it."""
         self.history: list[dict] = []
         self.task: Task = build_task(cfg)
@@ -205,7 +207,9 @@ class RLRecipe:
         # 5. Update the actor on the kept rows; 6. once the next step's rows are done, the replicas
         #    sample with the new weights.
         if len(keep):
+            self.updating = step  # from here a failure may leave the weights part-way through this update
             metrics.update(self.group.update(out[keep.tolist()], result.advantages[keep], self.generator))
+            self.updating = None
         updated = time.perf_counter()
         self.rollouts.wait()
         waited = time.perf_counter()
@@ -299,8 +303,9 @@ class RLRecipe:
 
     def _save_unsaved(self, step: int, before: dict) -> None:
         """After a step failed before its update (the weights are still those of ``step``),
-        checkpoint ``step`` unless it is saved already, so a resume loses nothing."""
-        if self.version != step or step <= 0 or self.saved_step == step:
+        checkpoint ``step`` unless it is saved already, so a resume loses nothing. A failure inside
+        the update (some optimizer steps may have run) saves nothing: the last checkpoint stands."""
+        if self.version != step or step <= 0 or self.saved_step == step or self.updating == step + 1:
             return
         try:
             path = self.save(step, before)

@@ -11,6 +11,8 @@ from flowloop.cli import main
 from flowloop.reward.registry import register_reward
 from flowloop.trainer.advantages import register_advantage
 from flowloop.trainer.losses import NonFiniteLossError
+from flowloop.trainer.objectives import register_objective
+from flowloop.trainer.objectives.nft import DiffusionNFT
 from flowloop.trainer.recipe import RLRecipe, run
 from tests.trainer.test_recipe import brightness, metrics, tiny_config
 
@@ -108,3 +110,31 @@ def test_repeated_non_finite_steps_stop_with_a_checkpoint_of_unchanged_weights(t
     assert saved.keys() <= base.keys() and all(torch.equal(saved[k], base[k]) for k in saved)
     assert any("Resume with trainer.resume=auto and a lower actor.lr" in line for line in logged)
     assert [r["step"] for r in metrics(tmp_path / "shapes")] == [0, 1, 2, 3]
+
+
+class FailsMidUpdate(DiffusionNFT):
+    """DiffusionNFT whose 7th loss term fails: step 2's update, after its first optimizer step."""
+
+    calls = 0
+
+    def loss(self, *args, **kwargs):
+        FailsMidUpdate.calls += 1
+        if FailsMidUpdate.calls == 7:
+            raise RuntimeError("device lost mid-update")
+        return super().loss(*args, **kwargs)
+
+
+register_objective("test_fails_mid_update", FailsMidUpdate)
+
+
+def test_a_failure_inside_an_update_saves_no_half_updated_weights(tiny_model_dir, tmp_path):
+    """Step 2's update fails after one of its two optimizer steps: the weights are neither step 1's
+    nor step 2's, so nothing is saved under either name."""
+    FailsMidUpdate.calls = 0
+    logged = []
+    with pytest.raises(RuntimeError, match="device lost mid-update"):
+        run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=4", "trainer.save_every=10",
+                        "actor.objective=test_fails_mid_update"), log=logged.append)
+    checkpoints = tmp_path / "shapes" / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
+    assert not any("checkpoint of step 1" in line for line in logged)
