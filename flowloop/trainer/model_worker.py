@@ -123,8 +123,8 @@ class ModelWorker:
         return await _on_compute(self._gather, everywhere)
 
     def _gather(self, everywhere: bool) -> dict[str, torch.Tensor] | None:
-        if not self.share.distributed:
-            return {k: v.detach().cpu() for k, v in self.actor.trainable_state().items()}
+        if not self.share.distributed:  # where they live: an in-process replica copies them on its device
+            return {k: v.detach() for k, v in self.actor.trainable_state().items()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # LoRA: the frozen base is never gathered, only the adapters.
@@ -142,7 +142,7 @@ class ModelWorker:
         import ray
 
         state = await self.trainable_state(everywhere=False)
-        return None if state is None else [ray.put(state)]
+        return None if state is None else [ray.put({k: v.cpu() for k, v in state.items()})]
 
     # -- checkpoints ----------------------------------------------------------------------
     async def checkpoint_state(self, gather: bool = True) -> dict[str, Any] | None:
