@@ -74,15 +74,12 @@ def count_flops(fn) -> int:
 def step_batch(cfg, step: int, weight_version: int, task=None) -> Batch:
     """``prompts_per_step x n`` rows in GRPO groups for training step ``step``: the task's own
     training rows, or (no task) `PROMPTS`."""
+    from flowloop.trainer.recipe import group_batch
+
     count = cfg.data.prompts_per_step
-    prompts = ([row["raw_prompt"] for row in task.train_rows(cfg.trainer.seed, step, count)] if task is not None
-               else [PROMPTS[(step + g) % len(PROMPTS)] for g in range(count)])
-    n = cfg.rollout.n
-    columns = {"raw_prompt": [p for p in prompts for _ in range(n)],
-               "uid": [f"{step}-{g}" for g in range(len(prompts)) for _ in range(n)]}
-    if cfg.data.negative_prompt is not None:
-        columns["negative_prompt"] = [cfg.data.negative_prompt] * len(columns["uid"])
-    return Batch.from_dict(non_tensors=columns, meta_info={"global_steps": step, "weight_version": weight_version})
+    rows = (task.train_rows(cfg.trainer.seed, step, count) if task is not None
+            else [{"raw_prompt": PROMPTS[(step + g) % len(PROMPTS)]} for g in range(count)])
+    return group_batch(rows, step, cfg.rollout.n, cfg.data.negative_prompt, weight_version)
 
 
 def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[list[dict], Batch]:

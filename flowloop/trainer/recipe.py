@@ -236,20 +236,7 @@ class RLRecipe:
         """The task's ``prompts_per_step`` train rows of this step (from seed and step alone, so
         resume is exact), each repeated ``rollout.n`` times under one uid."""
         chosen = self.task.train_rows(self.cfg.trainer.seed, step, self.cfg.data.prompts_per_step)
-        n = self.cfg.rollout.n
-        uids = [f"{step}-{g}" for g in range(len(chosen)) for _ in range(n)]
-        return self._prompt_batch([row for row in chosen for _ in range(n)], uids,
-                                  {"global_steps": step, "weight_version": self.version})
-
-    def _prompt_batch(self, rows: list[dict], uids: list[str], meta_info: dict) -> Batch:
-        """Rows -> a Batch with ``raw_prompt``, ``uid``, every extra field of a prompt file, and
-        ``negative_prompt`` when ``data.negative_prompt`` is set."""
-        columns = {"raw_prompt": [r["raw_prompt"] for r in rows], "uid": uids}
-        for key in dict.fromkeys(k for r in rows for k in r if k != "raw_prompt"):
-            columns[key] = [r.get(key) for r in rows]
-        if self.cfg.data.negative_prompt is not None:
-            columns["negative_prompt"] = [self.cfg.data.negative_prompt] * len(rows)
-        return Batch.from_dict(non_tensors=columns, meta_info=meta_info)
+        return group_batch(chosen, step, self.cfg.rollout.n, self.cfg.data.negative_prompt, self.version)
 
     # -- validation ---------------------------------------------------------------------
     def validate(self, step: int) -> dict[str, float]:
@@ -257,8 +244,8 @@ class RLRecipe:
         when there are any, scored by the task; the grid goes to ``grids/step_<step>.png``."""
         rows = self.task.val_rows()
         start = time.perf_counter()
-        batch = self._prompt_batch(rows, [f"val-{i}" for i in range(len(rows))],
-                                   {"validate": True, "weight_version": self.version})
+        batch = prompt_batch(rows, [f"val-{i}" for i in range(len(rows))], self.cfg.data.negative_prompt,
+                             {"validate": True, "weight_version": self.version})
         with self.group.ema_weights():
             out = self.manager.generate_sequences(batch)
         responses = out["responses"]  # [V, C, H, W] or video [V, T, C, H, W]: the task sees first frames
@@ -353,6 +340,24 @@ class RLRecipe:
             self.metrics_log.close()
         if hasattr(self, "lock"):
             self.lock.release()
+
+
+def group_batch(rows: list[dict], step: int, n: int, negative_prompt: str | None, weight_version: int) -> Batch:
+    """One training step's ``rows``, each repeated ``n`` times under one uid (a GRPO group)."""
+    uids = [f"{step}-{g}" for g in range(len(rows)) for _ in range(n)]
+    return prompt_batch([row for row in rows for _ in range(n)], uids, negative_prompt,
+                        {"global_steps": step, "weight_version": weight_version})
+
+
+def prompt_batch(rows: list[dict], uids: list[str], negative_prompt: str | None, meta_info: dict) -> Batch:
+    """Rows -> a Batch with ``raw_prompt``, ``uid``, every extra field of the rows (a prompt
+    file's columns, which rewards receive), and ``negative_prompt`` when one is set."""
+    columns = {"raw_prompt": [r["raw_prompt"] for r in rows], "uid": uids}
+    for key in dict.fromkeys(k for r in rows for k in r if k != "raw_prompt"):
+        columns[key] = [r.get(key) for r in rows]
+    if negative_prompt is not None:
+        columns["negative_prompt"] = [negative_prompt] * len(rows)
+    return Batch.from_dict(non_tensors=columns, meta_info=meta_info)
 
 
 def train_state(loaded) -> dict:
