@@ -8,9 +8,9 @@ region waits on futexes: on a 2-core machine a batch-1 sampling loop ran at 7.2 
 samples/s while an idle second thread with its own team existed. Servers share this one thread
 instead of each starting its own, and a caller that puts its other torch work here too (as
 `benchmarks/rollout_server.py` does, model set-up included) keeps a single team. In
-`flowloop train` the main thread also stacks batches and updates the actor, so two teams remain
-there; moving only the update here made no measurable difference. On a GPU the thread costs
-nothing: kernels are queued from whichever thread.
+`flowloop train` the actor's update runs here too (`flowloop.trainer.model_worker`), so sampling
+and training never overlap on one device; the main thread only stacks batches. On a GPU the
+thread costs nothing: kernels are queued from whichever thread.
 
 Nothing here runs on import or changes another thread's settings: the compute thread starts on
 first use, and shard threads (each with its own intra-op thread count) only for an engine built

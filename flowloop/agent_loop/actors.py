@@ -24,8 +24,9 @@ def check_mode(mode: str) -> None:
         require("ray", "Ray mode")
 
 
-def make_actor(cls: type, mode: str, *args: Any, **kwargs: Any):
-    """``cls(*args, **kwargs)`` locally; in Ray mode the same class as an (async) Ray actor.
+def make_actor(cls: type, mode: str, *args: Any, ray_options: dict | None = None, **kwargs: Any):
+    """``cls(*args, **kwargs)`` locally; in Ray mode the same class as an (async) Ray actor, with
+    ``ray_options`` (resources, placement, restarts) for ``.options``.
 
     Ray starts workers with one torch thread; actors get the driver's count instead, so a
     sample computed in an actor is the same, bit for bit, as one computed locally.
@@ -36,7 +37,7 @@ def make_actor(cls: type, mode: str, *args: Any, **kwargs: Any):
     ray = require("ray", "Ray mode")
     threads = str(torch.get_num_threads())
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    return ray.remote(cls).options(runtime_env={"env_vars": env}).remote(*args, **kwargs)
+    return ray.remote(cls).options(runtime_env={"env_vars": env}, **(ray_options or {})).remote(*args, **kwargs)
 
 
 async def call(handle: Any, method: str, *args: Any) -> Any:

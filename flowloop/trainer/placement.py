@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from flowloop.agent_loop.actors import call, wait_ready
+from flowloop.agent_loop.actors import call, make_actor, wait_ready
 from flowloop.extras import require
 from flowloop.trainer.model_worker import ROLES, ModelWorker
 
@@ -50,7 +50,8 @@ class WorkerGroup:
     def create(cls, cfg, build=None) -> WorkerGroup:
         """The workers ``cfg.scale`` asks for; ``build``: see `ModelWorker` (None loads ``cfg.model.path``)."""
         scale = cfg.scale
-        if scale.mode == "local" and cfg.rollout.max_staleness > 0:  # the replica samples while the actor trains
+        if scale.mode == "local" and cfg.rollout.max_staleness > 0:
+            # Sampling ahead, the replica needs its own model: the update must not change it mid-batch.
             return cls([ModelWorker(cfg, ("actor",), build=build)], [ModelWorker(cfg, ("rollout",), build=build)], False)
         if scale.mode == "local":
             worker = ModelWorker(cfg, ROLES, build=build)
@@ -73,9 +74,9 @@ class WorkerGroup:
                              "scale.gpus_per_node / scale.rollout_replicas or add machines") from None
         roles = ROLES if colocated else ("actor",)
         address = _rendezvous(ray, group, gpus)
-        actors = [_remote(ray, group, i, gpus, cfg, roles, i, scale.ranks, address, build) for i in range(scale.ranks)]
+        actors = [_remote(group, i, gpus, cfg, roles, i, scale.ranks, address, build) for i in range(scale.ranks)]
         replicas = actors if colocated else [
-            _remote(ray, group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None, build, restarts=REPLICA_RESTARTS)
+            _remote(group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None, build, restarts=REPLICA_RESTARTS)
             for j in range(scale.replicas)]
         made = cls(actors, replicas, colocated, group)
         try:
@@ -182,15 +183,13 @@ class WorkerGroup:
         self._loop.close()
 
 
-def _remote(ray, group, bundle: int, gpus: int, *args, restarts: int = 0):
+def _remote(group, bundle: int, gpus: int, *args, restarts: int = 0):
+    """A `ModelWorker` actor on bundle ``bundle`` of the placement group."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    threads = str(torch.get_num_threads())
     strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
-    return ray.remote(ModelWorker).options(
-        num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, max_concurrency=64, max_restarts=restarts,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}},
-    ).remote(*args)
+    options = dict(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, max_concurrency=64, max_restarts=restarts)
+    return make_actor(ModelWorker, "ray", *args, ray_options=options)
 
 
 def _rendezvous(ray, group, gpus: int) -> str:
