@@ -243,8 +243,15 @@ class Actor:
         Why only some rows: the rows trained before the first optimizer step see those weights in
         their own training forward, which `_SamplingValues.value` detaches and keeps instead of
         running a second, no-grad forward. With ``mini_batch_size`` >= the batch (one optimizer
-        step per update) this pass runs on no row at all."""
+        step per update) this pass runs on no row at all.
+
+        Several ranks with one epoch: each rank needs only its own part of each later micro-batch
+        (the split the training loop makes), so it passes only that; with more epochs a row may
+        move to another rank, so every rank passes every row."""
+        own_rows = self.share.distributed and self.config.inner_epochs == 1
         for idx in rows.split(self.config.micro_batch_size) if len(rows) else ():
+            if own_rows:  # a rank with no row of its own passes one, so FSDP's gathers stay matched
+                idx = self.share.rows(idx) if len(self.share.rows(idx)) else idx[-1:]
             part = {key: value[idx] for key, value in tensors.items()}
             for j in range(terms):
                 store.value(idx, j, self.objective.sampling_value(self.objective.forward(self, part, j)), fresh=True)

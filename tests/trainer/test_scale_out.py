@@ -75,12 +75,17 @@ def two_updates(cfg, batch, advantages):
     return metrics, weights
 
 
-@pytest.mark.parametrize("finetune, objective, micro", [("full", "flow_grpo", 4), ("lora", "nft", 4), ("full", "nft", 7)])
-def test_two_fsdp_ranks_compute_the_single_process_update(cluster, tiny_model_dir, tmp_path, finetune, objective, micro):
+@pytest.mark.parametrize("finetune, objective, micro, epochs", [
+    ("full", "flow_grpo", 4, 2), ("lora", "nft", 4, 2), ("full", "nft", 7, 2), ("full", "flow_grpo", 2, 1)])
+def test_two_fsdp_ranks_compute_the_single_process_update(cluster, tiny_model_dir, tmp_path, finetune, objective, micro,
+                                                         epochs):
     """``micro=7`` on 8 rows leaves a last micro-batch of 1 row for 2 ranks: the rank with no row
-    of its own still joins the collectives, at weight 0, and the update is the one-process one."""
+    of its own still joins the collectives, at weight 0, and the update is the one-process one.
+    FlowGRPO replays its old log-probs (skip_old_logprob=false): with one epoch each rank passes
+    only its own rows, with two every row."""
     cfg = tiny_config(tiny_model_dir, tmp_path, f"actor.finetune={finetune}", f"actor.objective={objective}",
-                      f"actor.micro_batch_size={micro}", f"actor.mini_batch_size={micro}", "actor.inner_epochs=2")
+                      f"actor.micro_batch_size={micro}", f"actor.mini_batch_size={micro}", f"actor.inner_epochs={epochs}",
+                      "actor.flow_grpo.skip_old_logprob=false")
     batch, advantages = scored_batch(cfg)
     single_metrics, single = two_updates(cfg, batch, advantages)
     sharded_metrics, sharded = two_updates(changed(cfg, scale={"mode": "ray", "world_size": 2}), batch, advantages)
