@@ -100,7 +100,9 @@ class ActorConfig:
     kl_coef: float = 0.0
     """Weight of the KL to the frozen base model; 0 skips the reference pass."""
     micro_batch_size: int = 32
-    """Rows per forward/backward pass."""
+    """Rows per forward/backward pass, over all trainer ranks together: with N ranks each
+    device takes about ``micro_batch_size / N`` of them, so one config computes the same update
+    on any number of ranks (`flowloop.trainer.sharding`)."""
     mini_batch_size: int = 64
     """Rows per optimizer step (gradients of micro-batches accumulate)."""
     inner_epochs: int = 1
