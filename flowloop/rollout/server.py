@@ -154,9 +154,11 @@ class RolloutServer:
 
     async def update_weights(self, state: dict | None, version: int) -> None:
         """Load new trainable weights (all of them, or LoRA adapters only) between batches: the
-        running batch finishes with the old ones, queued requests wait, then sample with the new
-        ones. ``version`` is recorded in every output sampled afterwards. ``state`` None: the
-        engine already holds them (its model is the trainer's own), only the version changes."""
+        running batch finishes with the old ones; queued requests then sample with the new ones,
+        except those that named another version, which are refused (`StaleWeightsError`) when
+        their batch would start, so the client can send them where those weights are.
+        ``version`` is recorded in every output sampled afterwards. ``state`` None: the engine
+        already holds them (its model is the trainer's own), only the version changes."""
         self._start()
         was_paused = self._paused
         await self.pause()
@@ -292,6 +294,9 @@ class RolloutServer:
             self._forget_flushed(dropped)
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
+        batch = self._refuse_stale(batch)
+        if not batch:
+            return
         start = time.perf_counter()
         s = self._stats
         s.running = len(batch)
@@ -312,6 +317,22 @@ class RolloutServer:
                 output.extra_fields["weight_version"] = torch.tensor(self.weight_version)
             if not pending.future.done():  # aborted while running: the result is dropped
                 pending.future.set_result(output)
+
+
+    def _refuse_stale(self, batch: list[_Pending]) -> list[_Pending]:
+        """The requests of ``batch`` the loaded weights may serve; the others (queued before a
+        weight update, naming the old version) fail with `StaleWeightsError`."""
+        keep = []
+        for pending in batch:
+            wanted = pending.request.sampling_params.weight_version
+            if wanted is None or wanted == self.weight_version:
+                keep.append(pending)
+            elif not pending.future.done():
+                self._stats.rejected += 1
+                pending.future.set_exception(StaleWeightsError(
+                    f"request {pending.request.request_id} needs the weights of update {wanted}; "
+                    f"this replica moved on to {self.weight_version} while it was queued"))
+        return keep
 
 
 @dataclass

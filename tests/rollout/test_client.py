@@ -134,3 +134,26 @@ def test_a_replica_with_stale_weights_hands_the_request_to_one_with_the_right_on
     assert [int(o.extra_fields["weight_version"]) for o in outputs] == [3, 3, 3]
     assert sum(o.metrics["retries"] for o in outputs) >= 1  # round-robin sends at least one to replica 0 first
     assert servers[0].metrics()["num_rejected"] >= 1 and servers[1].metrics()["num_completed"] == 3
+
+
+def test_a_request_queued_across_a_weight_update_is_refused_not_sampled_with_the_new_weights(engines):
+    """A request for update 1 still queued when the replica loads update 2 must not come back
+    stamped 2: it fails with StaleWeightsError (the client would try another replica)."""
+    model = engines[0].model
+
+    async def main():
+        server = RolloutServer(engines[0], max_batch_size=4, max_wait_ms=1)
+        await server.update_weights(None, 1)
+        await server.pause()
+        queued = asyncio.create_task(server.generate(mixed_requests(model, 1, weight_version=1)[0]))
+        await _until(lambda: server.num_outstanding == 1)
+        await server.update_weights(None, 2)
+        server.resume()  # the queued request's batch starts under update 2
+        with pytest.raises(StaleWeightsError, match="moved on to 2 while it was queued"):
+            await queued
+        fresh = await server.generate(mixed_requests(model, 1, weight_version=2)[0])
+        await server.stop()
+        return fresh
+
+    fresh = asyncio.run(main())
+    assert int(fresh.extra_fields["weight_version"]) == 2
