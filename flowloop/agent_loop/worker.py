@@ -198,24 +198,29 @@ class AgentLoopWorker:
         return Batch.from_dict(tensors, non_tensors, meta)
 
     def _extra_tensors(self, outputs: list[AgentLoopOutput], describe) -> dict[str, torch.Tensor]:
-        keys = [k for k, v in outputs[0].extra_fields.items() if isinstance(v, torch.Tensor)]
-        for i, output in enumerate(outputs):
-            mine = [k for k, v in output.extra_fields.items() if isinstance(v, torch.Tensor)]
-            if sorted(mine) != sorted(keys):
-                raise ValueError(f"{describe(i)} has extra tensors {sorted(mine)} but row 0 has {sorted(keys)}")
-        length = self.config.max_sequence_length
-        stacked = {}
-        for key in keys:
-            values = [o.extra_fields[key] for o in outputs]
-            if is_sequence_embedding_key(key):
-                for i, value in enumerate(values):
-                    if value.shape[0] > length:
-                        raise ValueError(f"{describe(i)}: {key} has {value.shape[0]} tokens, more than "
-                                         f"max_sequence_length={length}; raise max_sequence_length or shorten the prompt")
-                stacked[key] = pad_to_length(values, length, 0, "right")  # [bsz, max_sequence_length(, D)]
-            else:
-                stacked[key] = _stack(key, values)  # e.g. all_latents [bsz, W+1, C, H, W]
-        return stacked
+        rows = [{k: v for k, v in o.extra_fields.items() if isinstance(v, torch.Tensor)} for o in outputs]
+        return stack_extra_tensors(rows, self.config.max_sequence_length, describe)
+
+
+def stack_extra_tensors(rows: list[dict[str, torch.Tensor]], max_sequence_length: int, describe) -> dict[str, torch.Tensor]:
+    """The rows' rollout tensors as batch columns ``[bsz, ...]``; prompt embeddings right-padded
+    to ``max_sequence_length``. Every row must hold the same keys; ``describe(i)`` names row i."""
+    keys = list(rows[0])
+    for i, row in enumerate(rows):
+        if sorted(row) != sorted(keys):
+            raise ValueError(f"{describe(i)} has extra tensors {sorted(row)} but row 0 has {sorted(keys)}")
+    stacked = {}
+    for key in keys:
+        values = [row[key] for row in rows]
+        if is_sequence_embedding_key(key):
+            for i, value in enumerate(values):
+                if value.shape[0] > max_sequence_length:
+                    raise ValueError(f"{describe(i)}: {key} has {value.shape[0]} tokens, more than "
+                                     f"max_sequence_length={max_sequence_length}; raise max_sequence_length or shorten the prompt")
+            stacked[key] = pad_to_length(values, max_sequence_length, 0, "right")  # [bsz, max_sequence_length(, D)]
+        else:
+            stacked[key] = _stack(key, values)  # e.g. all_latents [bsz, W+1, C, H, W]
+    return stacked
 
 
 class _FlushingClient:

@@ -31,6 +31,10 @@ class ModelConfig:
     sampler's latents and log-prob math stay float32 whatever this is."""
     gradient_checkpointing: bool = False
     """Recompute the denoiser's activations in the backward pass: less memory, ~30% slower updates."""
+    tf32: bool = False
+    """On CUDA, run float32 matmuls on tensor cores as TF32 (``torch.backends.cuda.matmul.allow_tf32``):
+    the float32 LoRA adapters' branch of a bf16 model, in rollout and replay alike. Off: full
+    float32 matmuls. No effect on CPU."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the model family's adapter (`flowloop.models.ADAPTERS`), e.g.
     ``{guidance: 3.5}`` for FLUX.1-dev's guidance embedding; an unknown key is an error."""

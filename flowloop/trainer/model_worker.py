@@ -34,6 +34,7 @@ from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.server import RolloutServer
 from flowloop.rollout.types import SamplingParams
 from flowloop.trainer.actor import Actor, optimizer_steps_per_batch
+from flowloop.trainer.held_rows import HeldRows
 from flowloop.trainer.lora import add_lora
 from flowloop.trainer.sharding import RankShare, shard_denoiser
 
@@ -44,11 +45,13 @@ class ModelWorker:
     """A model in one process, trained (``actor``), sampled (``rollout``), or both."""
 
     def __init__(self, cfg, roles: tuple[str, ...] = ROLES, rank: int = 0, world_size: int = 1,
-                 init_method: str | None = None, build=None):
+                 init_method: str | None = None, build=None, hold_rows: bool = False):
         """``cfg``: the run's `TrainConfig`. ``init_method``: the trainer's process-group rendezvous
         (``tcp://host:port``); None runs without torch.distributed (one rank). ``build``: a
         picklable callable returning the `FlowModel`, run in this process, in place of loading
-        ``cfg.model.path`` (models built in memory, e.g. random weights at real size)."""
+        ``cfg.model.path`` (models built in memory, e.g. random weights at real size).
+        ``hold_rows`` (colocated, in its own process): training rows' rollout tensors stay here
+        for the update instead of travelling to the driver and back (`HeldRows`)."""
         unknown = set(roles) - set(ROLES)
         if unknown or not roles:
             raise ValueError(f"roles must be a non-empty subset of {ROLES}, got {roles}")
@@ -60,6 +63,8 @@ class ModelWorker:
             # NCCL for the weights on GPUs; gloo for the few CPU tensors the ranks reduce (metrics).
             backend = "cpu:gloo,cuda:nccl" if str(cfg.model.device).startswith("cuda") else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        if str(cfg.model.device).startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = cfg.model.tf32
         # 1. The model, with the trainer's LoRA layout on every copy, so published adapters fit.
         if init_method is not None:
             torch.manual_seed(cfg.trainer.seed)  # LoRA's initial weights: equal on every rank
@@ -80,6 +85,12 @@ class ModelWorker:
         if "rollout" in roles:
             s = cfg.rollout.server
             self.server = RolloutServer(RolloutEngine(self.sampler, s.cpu_shards), s.max_batch_size, s.max_wait_ms)
+        self.held = None
+        if hold_rows:
+            self._need("actor", "hold_rows")
+            self._need("rollout", "hold_rows")
+            length = cfg.rollout.max_sequence_length or self.model.max_sequence_length
+            self.held = HeldRows(rank, world_size, length)
 
     def _build_actor(self, copy_for_rollout: bool) -> Actor:
         cfg = self.cfg
@@ -109,8 +120,9 @@ class ModelWorker:
 
         def run():
             start = time.perf_counter()
+            rows = batch if self.held is None else self.held.restore(batch)
             generator = torch.Generator().set_state(generator_state)
-            metrics = self.actor.update(batch, advantages, generator)
+            metrics = self.actor.update(rows, advantages, generator)
             metrics["time/update_compute"] = time.perf_counter() - start  # time/update less this: moving the batch
             return metrics, generator.get_state()
 
@@ -178,7 +190,10 @@ class ModelWorker:
 
     async def generate(self, request):
         self._need("rollout", "generate")
-        return await self.server.generate(request)
+        output = await self.server.generate(request)
+        if self.held is not None and request.sampling_params.logprobs:  # a training row
+            output = self.held.keep(output)
+        return output
 
     async def flush(self, request_ids) -> None:
         """Run these queued requests as a batch now (`RolloutServer.flush`)."""
@@ -197,7 +212,11 @@ class ModelWorker:
             self.server.resume()
 
     async def metrics(self) -> dict[str, float]:
-        return self.server.metrics() if self.server is not None else {}
+        """The server's metrics, plus ``held_rows``: training rows whose tensors wait here for an update."""
+        metrics = self.server.metrics() if self.server is not None else {}
+        if self.held is not None:
+            metrics["held_rows"] = float(len(self.held))
+        return metrics
 
     async def stop(self) -> None:
         if self.server is not None:

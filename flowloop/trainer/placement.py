@@ -74,7 +74,8 @@ class WorkerGroup:
                              "scale.gpus_per_node / scale.rollout_replicas or add machines") from None
         roles = ROLES if colocated else ("actor",)
         address = _rendezvous(ray, group, gpus)
-        actors = [_remote(group, i, gpus, cfg, roles, i, scale.ranks, address, build) for i in range(scale.ranks)]
+        actors = [_remote(group, i, gpus, cfg, roles, i, scale.ranks, address, build, hold_rows=colocated)
+                  for i in range(scale.ranks)]
         replicas = actors if colocated else [
             _remote(group, scale.ranks + j, gpus, cfg, ("rollout",), 0, 1, None, build, restarts=REPLICA_RESTARTS)
             for j in range(scale.replicas)]
@@ -103,7 +104,10 @@ class WorkerGroup:
         return self.call_all(self.replicas[:1], "describe")[0]
 
     def update(self, batch, advantages: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
-        """One RL update on every rank; ``generator`` moves on exactly as one process's would."""
+        """One RL update on every rank; ``generator`` moves on exactly as one process's would.
+        The images stay here: the update reads the rollout's tensors, not the pictures."""
+        if self.local_worker is None and "responses" in batch:
+            batch = batch.select(tensor_keys=[k for k in batch.tensors.keys() if k != "responses"])
         batch, advantages = self._shared(batch), self._shared(advantages)
         results = self.call_all(self.actors, "update", batch, advantages, generator.get_state())
         metrics, state = results[0]
@@ -183,13 +187,13 @@ class WorkerGroup:
         self._loop.close()
 
 
-def _remote(group, bundle: int, gpus: int, *args, restarts: int = 0):
+def _remote(group, bundle: int, gpus: int, *args, restarts: int = 0, hold_rows: bool = False):
     """A `ModelWorker` actor on bundle ``bundle`` of the placement group."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
     options = dict(num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, max_concurrency=64, max_restarts=restarts)
-    return make_actor(ModelWorker, "ray", *args, ray_options=options)
+    return make_actor(ModelWorker, "ray", *args, ray_options=options, hold_rows=hold_rows)
 
 
 def _rendezvous(ray, group, gpus: int) -> str:

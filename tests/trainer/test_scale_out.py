@@ -269,3 +269,35 @@ def test_a_killed_replica_restarts_and_the_step_completes(cluster, tiny_model_di
     finally:
         manager.shutdown()
         group.shutdown()
+
+
+def test_colocated_ranks_keep_their_rows_and_the_update_replays_them(cluster, tiny_model_dir, tmp_path):
+    """Colocated, a row's embeddings and latents stay in the rank that sampled them: the driver's
+    batch names them (``held_row``) and carries only the small columns; the update on 2 ranks
+    gathers them back and replays the rollout's log-probs exactly; a batch naming rows no rank
+    holds any more is refused with the reason."""
+    cfg = tiny_config(tiny_model_dir, tmp_path, "actor.objective=flow_grpo", "scale.mode=ray", "scale.world_size=2",
+                      "scale.placement=colocated", "rollout.reward.name=jpeg_compressibility")
+    group = WorkerGroup.create(cfg)
+    manager = AgentLoopManager.create(cfg.rollout, type("Info", (), group.describe()), mode="ray", replicas=group.replicas)
+    try:
+        prompts = ["a red circle", "two blue squares"]
+        n = cfg.rollout.n
+        batch = Batch.from_dict(non_tensors={"raw_prompt": [p for p in prompts for _ in range(n)],
+                                             "uid": [str(i) for i in range(len(prompts)) for _ in range(n)]},
+                                meta_info={"global_steps": 1, "weight_version": 0})
+        manager.update_weights(group.replicas, None, 0)
+        out = manager.generate_sequences(batch)
+        assert "held_row" in out and "weight_version" in out and "rollout_log_probs" in out
+        assert not {"all_latents", "final_latents", "prompt_embeds"} & set(out.keys())
+        held = [m["held_rows"] for m in group.call_all(group.actors, "metrics")]
+        assert sum(held) == len(out) and min(held) > 0  # both ranks sampled some rows
+        advantages = compute_advantages("grpo", out["rm_scores"][:, 0], out["uid"]).advantages
+        metrics = group.update(out, advantages, torch.Generator().manual_seed(0))
+        assert metrics["rollout_correction/max"] <= 1e-6
+        assert [m["held_rows"] for m in group.call_all(group.actors, "metrics")] == [0.0, 0.0]
+        with pytest.raises(Exception, match="name rollout tensors no rank holds"):
+            group.update(out, advantages, torch.Generator().manual_seed(0))
+    finally:
+        manager.shutdown()
+        group.shutdown()

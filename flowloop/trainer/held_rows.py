@@ -1,0 +1,79 @@
+"""`HeldRows`: the rollout tensors a colocated Ray worker keeps where it sampled them.
+
+A training row's prompt embeddings and latents (megabytes per row at real sizes) are needed by
+the update alone, and with colocated placement the update runs in the very process that sampled
+them. So instead of sending them to the agent-loop worker, the driver and back through Ray's
+object store, the worker keeps them and the row carries a ``held_row`` reference
+(``"<rank>:<request id>"``); `restore` puts them back into the batch on every rank (several ranks
+exchange their rows with one collective). Images still travel: the reward needs them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flowloop.agent_loop.worker import stack_extra_tensors
+from flowloop.protocol import Batch
+
+HELD_ROW_KEY = "held_row"
+"""The non-tensor column naming where a row's rollout tensors are kept."""
+
+TRAVELLING = ("weight_version",)
+"""Rollout tensors that still go with the row: small, and the driver reads them."""
+
+
+class HeldRows:
+    """Rollout tensors of this rank's sampled rows, by request id, until an update takes them."""
+
+    def __init__(self, rank: int, world_size: int, max_sequence_length: int):
+        self.rank = rank
+        self.world_size = world_size
+        self.max_sequence_length = max_sequence_length
+        self._rows: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def keep(self, output):
+        """Move ``output``'s extra tensors into the store; the output carries the reference instead."""
+        fields = output.extra_fields
+        tensors = {k: v for k, v in fields.items() if isinstance(v, torch.Tensor) and k not in TRAVELLING}
+        if not tensors:
+            return output
+        version = int(fields["weight_version"]) if "weight_version" in fields else -1
+        self._rows[output.request_id] = (version, tensors)
+        rest = {k: v for k, v in output.extra_fields.items() if k not in tensors}
+        rest[HELD_ROW_KEY] = f"{self.rank}:{output.request_id}"
+        output.extra_fields = rest
+        return output
+
+    def restore(self, batch: Batch) -> Batch:
+        """``batch`` with its held rows' tensors as columns again (a collective with several
+        ranks); those rows leave the store, and so do rows sampled with older weights than any of
+        ``batch``'s (rows the trainer dropped, e.g. groups without reward spread)."""
+        if HELD_ROW_KEY not in batch:
+            return batch
+        refs = [str(ref).split(":", 1) for ref in batch[HELD_ROW_KEY]]
+        # A row this rank should hold and does not is reported after the collective, so no rank hangs.
+        mine = {i: self._rows.pop(request_id, None) for i, (rank, request_id) in enumerate(refs) if int(rank) == self.rank}
+        rows = dict(mine)
+        if self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine)
+            for part in everyone:
+                rows.update(part)
+        missing = [i for i in range(len(batch)) if rows.get(i) is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} rows of the batch (first: row {missing[0]}, {HELD_ROW_KEY} "
+                               f"{batch[HELD_ROW_KEY][missing[0]]!r}) name rollout tensors no rank holds; "
+                               "a batch for the update must come from this run's own rollout, in this process's lifetime")
+        kept = [row[0] for row in mine.values() if row is not None]
+        if kept:
+            self._rows = {k: v for k, v in self._rows.items() if v[0] >= min(kept)}
+        restored = batch.select(non_tensor_keys=[k for k in batch.non_tensors if k != HELD_ROW_KEY])
+        columns = stack_extra_tensors([rows[i][1] for i in range(len(batch))], self.max_sequence_length,
+                                      lambda i: f"row {i} ({batch[HELD_ROW_KEY][i]})")
+        for key, value in columns.items():
+            restored[key] = value
+        return restored
