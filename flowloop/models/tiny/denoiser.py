@@ -14,7 +14,7 @@ from diffusers.loaders.peft import PeftAdapterMixin
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from flowloop.models.tiny.layers import Block, grid_position_embedding, sinusoidal_embedding
+from flowloop.models.tiny.layers import Block, grid_position_embedding, per_sample, sinusoidal_embedding
 
 
 class TinyDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
@@ -67,7 +67,8 @@ class TinyDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
         # 2. Conditioning: timestep (scaled to [0, 1000]) plus the masked mean of the prompt.
         mask = text_mask.to(text.dtype)[..., None]  # [B, L, 1]
         pooled = (text * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # [B, Dt]
-        cond = self.time_mlp(sinusoidal_embedding(timestep * 1000.0, 256).to(text.dtype)) + self.pooled_text_mlp(pooled)  # [B, D]
+        time_features = sinusoidal_embedding(timestep * 1000.0, 256).to(text.dtype)  # [B, 256]
+        cond = per_sample(self.time_mlp, time_features) + per_sample(self.pooled_text_mlp, pooled)  # [B, D]
         # 3. Joint sequence [text; image] with padded text keys masked out.
         x = torch.cat([self.text_proj(text), image_tokens], dim=1)  # [B, L+N, D]
         key_mask = torch.cat([text_mask.bool(), torch.ones(b, gh * gw, dtype=torch.bool, device=sample.device)], dim=1)
@@ -77,6 +78,6 @@ class TinyDiT(ModelMixin, ConfigMixin, PeftAdapterMixin):
             else:
                 x = block(x, key_mask, cond)
         # 4. Final adaLN, project image tokens back to patches, unpatchify.
-        shift, scale = self.final_modulation(F.silu(cond))[:, None].chunk(2, dim=-1)
+        shift, scale = per_sample(self.final_modulation, F.silu(cond))[:, None].chunk(2, dim=-1)  # each [B, 1, D]
         out = self.final_proj(self.final_norm(x[:, -gh * gw :]) * (1 + scale) + shift)  # [B, N, C*p*p]
         return out.reshape(b, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
