@@ -4,7 +4,8 @@ For each request: its own `torch.Generator` (seeded from the request), its own S
 own initial noise; the batch shares the text encoder pass (each distinct prompt encoded once) and
 every denoiser call. Rows step with the SDE inside their window and with Euler outside it, so
 requests with different windows share a batch. Everything a row's result depends on is its own,
-so a request gives the same sample alone or in any batch (up to the model's kernels; see
+so a request gives the same sample alone or in any batch, as far as the model's kernels do not
+depend on the row count (the embedded model's do not: bitwise, see
 `tests/rollout/test_engine.py::test_batch_invariance`). For the same reason a large batch on a
 CPU can run as slices on separate threads, each with its share of the cores (``cpu_shards``):
 for a small model on two cores that beats splitting every op across them.

@@ -53,7 +53,8 @@ def sample(model, prompts: list[str], seeds: list[int], num_steps: int = 40, gui
            batch_size: int = 64, progress=None) -> torch.Tensor:
     """Euler ODE samples, one seed per sample: float in [0, 1], ``[N, C, H, W]`` (video ``[N, T, C, H, W]``).
 
-    A sample depends only on its prompt and seed, not on ``batch_size`` (up to the model's kernels).
+    A sample depends only on its prompt and seed, not on ``batch_size`` (bitwise for the embedded model;
+    for others, as far as their kernels do not depend on the row count).
     """
     height = height or default_resolution(model)
     width = width or height

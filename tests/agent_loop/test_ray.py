@@ -51,7 +51,7 @@ def test_ray_actors_give_local_outputs(managers):
         a, b = local.generate_sequences(batch), remote.generate_sequences(batch)
         d = max_abs_diff(a, b)
         print(f"local vs ray, {len(batch)} rows, validate={batch.meta_info.get('validate', False)}: max |d| = {d:.3g}")
-        assert d <= 1e-6
+        assert d == 0.0  # bitwise: a row's sample does not depend on the batch it ran in
     out = remote.generate_sequences(train)
     assert set(out.tensors.keys()) == CONTRACT_TENSORS and set(out.non_tensors) == CONTRACT_NON_TENSORS
     assert out["rollout_log_probs"].shape == (16, 3) and list(out["raw_prompt"]) == list(train["raw_prompt"])

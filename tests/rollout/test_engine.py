@@ -62,13 +62,8 @@ def test_replay_gives_the_recorded_log_prob_exactly(engine, model, sampler, guid
     "params", [dict(sampler="sde"), dict(sampler="cps", noise_level=0.8), dict(sampler="sde", guidance_scale=3.0)]
 )
 def test_batch_invariance(engine, model, params):
-    """A request gives the same sample alone and inside a batch of 16 mixed requests.
-
-    Measured on this CPU: not bitwise. MKL's sgemm rounds a [B, K] @ [K, N] product differently
-    for B in {1, 2, 3, 5, 6, 7, 9, 10, 11} than for other B; the tiny DiT's timestep and pooled-
-    text MLPs and adaLN modulations are such products (the per-token layers have B * tokens rows,
-    a multiple of 16, and match bitwise). The difference is ~1e-7 relative per call.
-    """
+    """A request gives the same sample, bit for bit, alone and inside a batch of 16 mixed requests:
+    the tiny DiT runs its per-sample layers with a fixed row count (`flowloop.models.tiny.layers.per_sample`)."""
     requests = mixed_requests(model, 16, **params)
     if params.get("guidance_scale", 1.0) > 1:
         requests[3].negative_prompt_ids = prompt_ids(model, "a blue square")
