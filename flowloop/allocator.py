@@ -12,6 +12,8 @@ exits.
 It changes the whole process, so only entry points opt in: `flowloop.cli.main` calls
 `keep_freed_memory` once for every command (and `benchmarks/rollout_server.py` for its figures);
 no library constructor does. A program that embeds flowloop calls it itself if it wants it.
+Ray actors started from a process that opted in get the same settings through glibc's
+environment variables (`malloc_env`), read when the actor's process starts.
 ``FLOWLOOP_MALLOC_TUNING=0`` leaves the allocator alone even then. Elsewhere than glibc (macOS,
 musl) this is a no-op.
 """
@@ -62,3 +64,12 @@ def keep_freed_memory() -> bool:
         logger.debug("mallopt refused a setting; the allocator keeps glibc's defaults for it")
     _applied = ok
     return ok
+
+
+def malloc_env() -> dict[str, str]:
+    """The same settings as glibc environment variables, for child processes (Ray actors) of a
+    process where `keep_freed_memory` is in effect; empty otherwise."""
+    if not _applied:
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
+            "MALLOC_TOP_PAD_": str(TOP_PAD)}

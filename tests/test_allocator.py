@@ -38,8 +38,8 @@ print(json.dumps({"applied": applied, "faults": faults, "out": out.flatten()[::9
 """
 
 
-def probe(tuning: str) -> dict:
-    env = {**os.environ, "FLOWLOOP_MALLOC_TUNING": tuning}
+def probe(tuning: str, extra_env: dict | None = None) -> dict:
+    env = {**os.environ, "FLOWLOOP_MALLOC_TUNING": tuning, **(extra_env or {})}
     done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -65,3 +65,17 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(allocator, "_applied", None)
     monkeypatch.setenv("FLOWLOOP_MALLOC_TUNING", "0")
     assert keep_freed_memory() is False
+
+
+@pytest.mark.skipif(not glibc(), reason="mallopt settings are glibc's")
+def test_a_child_given_malloc_env_runs_as_tuned_without_calling_mallopt(monkeypatch):
+    """What a Ray actor of a tuned driver gets (`make_actor` passes `malloc_env`)."""
+    from flowloop import allocator
+
+    monkeypatch.setattr(allocator, "_applied", True)
+    env = allocator.malloc_env()
+    assert set(env) == {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"}
+    child = probe("0", env)
+    assert child["applied"] is False and child["faults"] < 20, child["faults"]
+    monkeypatch.setattr(allocator, "_applied", False)
+    assert allocator.malloc_env() == {}

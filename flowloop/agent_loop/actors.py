@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from flowloop.allocator import malloc_env
 from flowloop.extras import require
 
 MODES = ("local", "ray")
@@ -29,14 +30,15 @@ def make_actor(cls: type, mode: str, *args: Any, ray_options: dict | None = None
     ``ray_options`` (resources, placement, restarts) for ``.options``.
 
     Ray starts workers with one torch thread; actors get the driver's count instead, so a
-    sample computed in an actor is the same, bit for bit, as one computed locally.
+    sample computed in an actor is the same, bit for bit, as one computed locally, and the
+    driver's allocator settings (`flowloop.allocator.malloc_env`), so it runs as fast.
     """
     check_mode(mode)
     if mode == "local":
         return cls(*args, **kwargs)
     ray = require("ray", "Ray mode")
     threads = str(torch.get_num_threads())
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **malloc_env()}
     return ray.remote(cls).options(runtime_env={"env_vars": env}, **(ray_options or {})).remote(*args, **kwargs)
 
 
