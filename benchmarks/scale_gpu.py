@@ -100,6 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=["sd3", "qwen_image"])
     parser.add_argument("--modes", nargs="+", default=["ray", "local"])
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the modes this many times in turn (ray, local, ray, local...): a GPU's clock drift "
+                             "over a session then falls on both modes alike")
     parser.add_argument("--steps", type=int, default=3, help="timed RL steps (after one warm-up step)")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--n", type=int, default=8, help="group size")
@@ -113,22 +116,22 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     results = []
     for family in args.families:
-        for mode in args.modes:
+        for round_index, mode in ((r, m) for r in range(args.rounds) for m in args.modes):
             try:
-                results.append(run_mode(family, args, mode))
+                results.append({**run_mode(family, args, mode), "round": round_index})
             except Exception as err:  # one failure keeps the others' figures
-                results.append({"family": family, "mode": mode, "error": repr(err)})
+                results.append({"family": family, "mode": mode, "round": round_index, "error": repr(err)})
                 print(f"{family} {mode} failed: {err!r}", flush=True)
             if args.out:
                 device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
                 Path(args.out).write_text(json.dumps({"device": device, "results": results}, indent=2))
-    print(f"\n{'family':12} {'mode':6} {'img/s step':>10} {'img/s rollout':>13} {'engine_s':>8} {'update_s':>9} "
+    print(f"\n{'family':12} {'mode':6} {'round':>5} {'img/s step':>10} {'img/s rollout':>13} {'engine_s':>8} {'update_s':>9} "
           f"{'compute_s':>9} {'sync_s':>7} {'batch':>6}")
     for r in results:
         if "error" in r:
-            print(f"{r['family']:12} {r['mode']:6} {r['error'][:80]}")
+            print(f"{r['family']:12} {r['mode']:6} {r['round']:5} {r['error'][:80]}")
         else:
-            print(f"{r['family']:12} {r['mode']:6} {r['images_per_s']:10.3f} {r['rollout_images_per_s']:13.3f} "
+            print(f"{r['family']:12} {r['mode']:6} {r['round']:5} {r['images_per_s']:10.3f} {r['rollout_images_per_s']:13.3f} "
                   f"{r['engine_s']:8.2f} {r['update_s']:9.2f} {r['update_compute_s']:9.2f} {r['sync_s']:7.3f} "
                   f"{r['mean_engine_batch'] or 0:6.1f}")
 
