@@ -7,11 +7,13 @@ is called. Everything else in flowloop holds "handles" and calls them through `c
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
 import torch
 
+from flowloop.agent_loop.tensor_wire import register as register_tensor_wire
 from flowloop.allocator import malloc_env
 from flowloop.extras import require
 
@@ -31,7 +33,8 @@ def make_actor(cls: type, mode: str, *args: Any, ray_options: dict | None = None
 
     Ray starts workers with one torch thread; actors get the driver's count instead, so a
     sample computed in an actor is the same, bit for bit, as one computed locally, and the
-    driver's allocator settings (`flowloop.allocator.malloc_env`), so it runs as fast.
+    driver's allocator settings (`flowloop.allocator.malloc_env`), so it runs as fast. Tensors
+    travel between the driver and every actor as raw buffers (`flowloop.agent_loop.tensor_wire`).
     """
     check_mode(mode)
     if mode == "local":
@@ -39,7 +42,21 @@ def make_actor(cls: type, mode: str, *args: Any, ray_options: dict | None = None
     ray = require("ray", "Ray mode")
     threads = str(torch.get_num_threads())
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **malloc_env()}
-    return ray.remote(cls).options(runtime_env={"env_vars": env}, **(ray_options or {})).remote(*args, **kwargs)
+    register_tensor_wire()  # this process's tensors to the actor; `_wired` does the same in the actor
+    options = dict(runtime_env={"env_vars": env}, **(ray_options or {}))
+    return ray.remote(_wired(cls)).options(**options).remote(*args, **kwargs)
+
+
+@functools.cache
+def _wired(cls: type) -> type:
+    """``cls`` whose instances first set up the tensor wire in their process (Ray offers a
+    per-process setup hook for a whole job only, not per actor)."""
+
+    def __init__(self, *args, **kwargs):
+        register_tensor_wire()
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 async def call(handle: Any, method: str, *args: Any) -> Any:
