@@ -91,7 +91,8 @@ class AgentLoopWorker:
         ``attention_mask``, ``responses`` ``[bsz, C, H, W]`` (or ``[bsz, T, C, H, W]``),
         ``rollout_log_probs`` ``[bsz, W]`` (training), the rollout's extra tensors
         (``all_latents``, ``all_timesteps``, ``prompt_embeds`` ``[bsz, max_sequence_length, D]``,
-        ``prompt_embeds_mask``...), ``rm_scores`` ``[bsz, 1]`` when rewards are on (NaN where the
+        ``prompt_embeds_mask``...; a replica may keep them instead and name them in a ``held_row``
+        column: colocated trainer ranks do, `flowloop.trainer.held_rows`), ``rm_scores`` ``[bsz, 1]`` when rewards are on (NaN where the
         reward failed: the manager applies ``reward.failure_policy``); non-tensors
         ``__num_turns__`` and one column per reward extra key (``reward_error`` among them);
         ``meta_info["metrics"]`` (one dict per row) and ``meta_info["reward_extra_keys"]``.

@@ -35,7 +35,8 @@ class ModelConfig:
     """On CUDA, run float32 matmuls on tensor cores as TF32 (``torch.backends.cuda.matmul.allow_tf32``):
     the float32 LoRA adapters' branch of a bf16 model, in rollout and replay alike, so the
     rollout-vs-replay gap stays what bf16 makes it (docs/results.md, "GPU levers"). False: full
-    float32 matmuls, e.g. for a float32 model compared bit for bit with another run. No effect on CPU."""
+    float32 matmuls, e.g. for a float32 model compared bit for bit with another run. It is set
+    for the whole process, so in local mode float32 reward models on the GPU use it too. No effect on CPU."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the model family's adapter (`flowloop.models.ADAPTERS`), e.g.
     ``{guidance: 3.5}`` for FLUX.1-dev's guidance embedding; an unknown key is an error."""

@@ -10,6 +10,8 @@ exchange their rows with one collective). Images still travel: the reward needs 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -31,6 +33,7 @@ class HeldRows:
         self.world_size = world_size
         self.max_sequence_length = max_sequence_length
         self._rows: dict[str, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()  # `keep` runs on the event loop's thread, `restore` on the compute thread
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -42,7 +45,8 @@ class HeldRows:
         if not tensors:
             return output
         version = int(fields["weight_version"]) if "weight_version" in fields else -1
-        self._rows[output.request_id] = (version, tensors)
+        with self._lock:
+            self._rows[output.request_id] = (version, tensors)
         rest = {k: v for k, v in output.extra_fields.items() if k not in tensors}
         rest[HELD_ROW_KEY] = f"{self.rank}:{output.request_id}"
         output.extra_fields = rest
@@ -50,13 +54,17 @@ class HeldRows:
 
     def restore(self, batch: Batch) -> Batch:
         """``batch`` with its held rows' tensors as columns again (a collective with several
-        ranks); those rows leave the store, and so do rows sampled with older weights than any of
-        ``batch``'s (rows the trainer dropped, e.g. groups without reward spread)."""
+        ranks). Those rows leave the store: a row is restored once, and a batch that fails here
+        must be sampled again."""
         if HELD_ROW_KEY not in batch:
             return batch
+        if any(ref is None for ref in batch[HELD_ROW_KEY]):
+            raise ValueError(f"some rows of the batch have no {HELD_ROW_KEY!r}: a batch for the update mixes rows "
+                             "sampled by the trainer's own workers with rows from elsewhere")
         refs = [str(ref).split(":", 1) for ref in batch[HELD_ROW_KEY]]
         # A row this rank should hold and does not is reported after the collective, so no rank hangs.
-        mine = {i: self._rows.pop(request_id, None) for i, (rank, request_id) in enumerate(refs) if int(rank) == self.rank}
+        with self._lock:
+            mine = {i: self._rows.pop(request_id, None) for i, (rank, request_id) in enumerate(refs) if int(rank) == self.rank}
         rows = dict(mine)
         if self.world_size > 1:
             everyone = [None] * self.world_size
@@ -68,12 +76,16 @@ class HeldRows:
             raise RuntimeError(f"{len(missing)} rows of the batch (first: row {missing[0]}, {HELD_ROW_KEY} "
                                f"{batch[HELD_ROW_KEY][missing[0]]!r}) name rollout tensors no rank holds; "
                                "a batch for the update must come from this run's own rollout, in this process's lifetime")
-        kept = [row[0] for row in mine.values() if row is not None]
-        if kept:
-            self._rows = {k: v for k, v in self._rows.items() if v[0] >= min(kept)}
         restored = batch.select(non_tensor_keys=[k for k in batch.non_tensors if k != HELD_ROW_KEY])
         columns = stack_extra_tensors([rows[i][1] for i in range(len(batch))], self.max_sequence_length,
                                       lambda i: f"row {i} ({batch[HELD_ROW_KEY][i]})")
         for key, value in columns.items():
             restored[key] = value
         return restored
+
+    def drop_older_than(self, version: int) -> None:
+        """Forget rows sampled with weights older than ``version``: once this replica samples
+        with update ``version``, no batch will train the earlier ones (rows the trainer dropped,
+        e.g. groups without reward spread, or a whole step with no update)."""
+        with self._lock:
+            self._rows = {k: v for k, v in self._rows.items() if v[0] >= version}

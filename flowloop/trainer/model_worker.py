@@ -119,8 +119,8 @@ class ModelWorker:
         self._need("actor", "update")
 
         def run():
-            start = time.perf_counter()
             rows = batch if self.held is None else self.held.restore(batch)
+            start = time.perf_counter()
             generator = torch.Generator().set_state(generator_state)
             metrics = self.actor.update(rows, advantages, generator)
             metrics["time/update_compute"] = time.perf_counter() - start  # time/update less this: moving the batch
@@ -187,6 +187,8 @@ class ModelWorker:
             raise ValueError("a rollout-only worker needs the published weights, got None")
         await self.server.update_weights(state, version)
         self.weight_version = version
+        if self.held is not None:
+            self.held.drop_older_than(version)
 
     async def generate(self, request):
         self._need("rollout", "generate")

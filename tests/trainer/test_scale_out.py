@@ -298,6 +298,11 @@ def test_colocated_ranks_keep_their_rows_and_the_update_replays_them(cluster, ti
         assert [m["held_rows"] for m in group.call_all(group.actors, "metrics")] == [0.0, 0.0]
         with pytest.raises(Exception, match="name rollout tensors no rank holds"):
             group.update(out, advantages, torch.Generator().manual_seed(0))
+        # Rows no update takes (a step whose groups were all dropped) go once the next weights load.
+        manager.generate_sequences(batch)
+        assert sum(m["held_rows"] for m in group.call_all(group.actors, "metrics")) == len(out)
+        manager.update_weights(group.replicas, None, 1)
+        assert [m["held_rows"] for m in group.call_all(group.actors, "metrics")] == [0.0, 0.0]
     finally:
         manager.shutdown()
         group.shutdown()
