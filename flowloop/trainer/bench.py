@@ -152,6 +152,10 @@ def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
     from flowloop.tasks import build_task
     from flowloop.trainer.placement import WorkerGroup
 
+    if cfg.scale.mode != "local":
+        raise ValueError(f"flowloop bench times one process (the ceiling runs its model in place); got "
+                         f"scale.mode={cfg.scale.mode!r}: leave scale.* at its defaults, and use "
+                         "benchmarks/scale_gpu.py to compare local and Ray mode")
     task = None
     if cfg.data.prompt_file is None or Path(cfg.data.prompt_file).is_file():
         task = build_task(cfg)

@@ -21,3 +21,9 @@ def test_bench_reports_the_ceiling_rollout_update_and_step(tiny_model_dir, tmp_p
     assert figures["rollout"]["images_per_s"] == figures["rows"] / figures["rollout"]["seconds"]
     assert 0 < figures["rollout"]["of_ceiling"] < 2
     assert figures["rollout_vs_replay_logprob_gap"] <= 1e-5  # float32 on the CPU: replay reproduces the rollout
+
+
+def test_bench_in_ray_mode_is_refused_naming_the_setting(tiny_model_dir, capsys):
+    code = main(["bench", "--steps", "1", f"model.path={tiny_model_dir}", "scale.mode=ray"])
+    assert code != 0
+    assert "scale.mode='ray'" in capsys.readouterr().err
