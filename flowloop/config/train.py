@@ -37,6 +37,10 @@ class ModelConfig:
     rollout-vs-replay gap stays what bf16 makes it (docs/results.md, "GPU levers"). False: full
     float32 matmuls, e.g. for a float32 model compared bit for bit with another run. It is set
     for the whole process, so in local mode float32 reward models on the GPU use it too. No effect on CPU."""
+    compile: bool = False
+    """``torch.compile`` each repeated transformer block of the denoiser, for rollout and update
+    (`flowloop.models.compiled`). Costs compile time at the first batches and again at each new
+    batch shape, so it is off unless asked for."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the model family's adapter (`flowloop.models.ADAPTERS`), e.g.
     ``{guidance: 3.5}`` for FLUX.1-dev's guidance embedding; an unknown key is an error."""

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from flowloop.compute import compute_executor
 from flowloop.models import load_flow_model
+from flowloop.models.compiled import compile_repeated_blocks
 from flowloop.protocol import Batch
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.server import RolloutServer
@@ -81,6 +82,9 @@ class ModelWorker:
             torch.manual_seed(cfg.trainer.seed)  # the run's global RNG stream starts here, the same on every run
         elif cfg.actor.finetune == "lora":
             add_lora(self.model.trainable_module(), cfg.actor)
+        if cfg.model.compile:  # after LoRA and sharding: the compiled blocks hold the adapters
+            for module in dict.fromkeys(m.trainable_module() for m in (self.model, self.sampler)):
+                compile_repeated_blocks(module)
         self.server = None
         if "rollout" in roles:
             s = cfg.rollout.server
