@@ -47,3 +47,16 @@ def test_correct_weight_blends_partial_credit_with_all_constraints_met():
     assert mixed[1] == pytest.approx(0.75 * dense[1])
     with pytest.raises(ValueError, match="correct_weight must be in"):
         get_reward("shapes")(images, [prompt] * 2, [{}, {}], correct_weight=2.0)
+
+
+def test_exact_reward_penalizes_surplus_among_the_new_shapes_and_colours():
+    prompt = "a black star and a cyan diamond"
+    scene = scene_for(shapes.parse_prompt(prompt), np.random.default_rng(1), split="heldout")
+    extra = SceneObject("star", "black", (0.5, 0.5), 0.13)
+    crowded = dataclasses.replace(scene, objects=(*scene.objects, extra))
+    images = torch.stack([_image(scene), _image(crowded)])
+    plain, _ = get_reward("shapes")(images, [prompt] * 2, [{}, {}])
+    exact, exact_info = get_reward("shapes_exact")(images, [prompt] * 2, [{}, {}])
+    n = len(exact_info[0]["constraints"])
+    assert plain == [1.0, 1.0]
+    assert exact == [1.0, n / (n + 1)] and [i["surplus_objects"] for i in exact_info] == [0, 1]

@@ -11,6 +11,8 @@ from PIL import Image
 from flowloop.tasks.shapes import (
     BACKGROUND,
     CATEGORIES,
+    COLOURS,
+    SHAPES,
     VOCABULARY,
     ObjectGroup,
     Spec,
@@ -25,7 +27,8 @@ from flowloop.tasks.shapes import (
     verify,
     verify_batch,
 )
-from flowloop.tasks.shapes.scene import GAP_PX
+from flowloop.tasks.shapes.prompts import HELDOUT_COLOUR_SHAPES, HELDOUT_SHAPE_PAIRS, is_heldout_composition, train_colours
+from flowloop.tasks.shapes.scene import GAP_PX, SIZE_RANGES, Scene, SceneObject
 
 N_SCENES = 1000
 
@@ -77,6 +80,21 @@ def test_verifier_rejects_uniform_noise(scenes, size):
     rng = np.random.default_rng(2)
     noise = [rng.random((size, size, 3)) for _ in scenes]
     assert accuracy(noise, scenes) <= 0.02
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_shape_in_every_colour_reads_back_as_itself(shape):
+    # One object per colour at the smallest and largest size the sampler draws, on the model's 32 px.
+    rng = np.random.default_rng(15)
+    for colour in COLOURS:
+        for size in (SIZE_RANGES[0][0], SIZE_RANGES[-1][1]):
+            centre = (float(rng.uniform(0.4, 0.6)), float(rng.uniform(0.45, 0.6)))
+            scene = Scene(None, parse_prompt(f"one {colour} {shape}"), (SceneObject(shape, colour, centre, size),))
+            verdict = verify(render(scene, 32), scene.spec)
+            assert verdict.strict, (shape, colour, size, verdict.details["objects"])
+            seen = verdict.details["objects"][0]
+            others = {name: iou for name, iou in seen["overlaps"].items() if name != shape}
+            assert seen["overlaps"][shape] > max(others.values()) + 0.05, (shape, colour, size, seen["overlaps"])
 
 
 # ---- targeted verifier behaviour -----------------------------------------------------------
@@ -175,12 +193,12 @@ def test_prompt_round_trip(category):
 
 def test_category_sizes():
     assert {c: len(all_prompts(c)) for c in CATEGORIES} == {
-        "single_object": 3,
-        "two_objects": 6,
-        "counting": 9,
-        "colors": 18,
-        "position": 24,
-        "color_attr": 180,
+        "single_object": 2 * 10 * 6,  # {a, one} x {no colour, 9 colours} x 6 shapes
+        "two_objects": 4 * 30,  # {a, two} x {a, two} x ordered pairs of different shapes
+        "counting": 10 * 3 * 6,  # {no colour, 9 colours} x {two, three, four} x 6 shapes
+        "colors": 6 * 72,  # one shape in an ordered pair of different colours
+        "position": 4 * 30,
+        "color_attr": 30 * 72,
     }
     assert len(VOCABULARY) == len(set(VOCABULARY))
 
@@ -195,13 +213,16 @@ def test_compositional_prompts_parse():
         (exactly(1, "square"), some("circle", "orange")), "to the right of"
     )
     assert parse_prompt("an circle") == parse_prompt("a circle")  # a/an are interchangeable
-    assert category_of(parse_prompt("two red circles")) is None
+    assert category_of(parse_prompt("two red circles")) == "counting"
+    assert category_of(parse_prompt("a red star and a blue star")) == "colors"
+    assert category_of(parse_prompt("a red circle and two circles")) is None
 
 
 @pytest.mark.parametrize(
     "prompt, needle",
     [
-        ("a pink circle", "'pink'"),
+        ("a brown circle", "'brown'"),
+        ("a hexagon", "'hexagon'"),
         ("a circle beside a square", "'beside'"),
         ("a red circle.and", "'circle.and'"),
         ("circle red", "got 'circle'"),
@@ -225,21 +246,54 @@ def test_unknown_word_lists_allowed_words():
         parse_prompt("a huge circle")
 
 
-def test_split_is_fixed_disjoint_and_complete():
+def test_split_is_fixed_disjoint_and_by_composition():
     train, heldout = split_prompts("train"), split_prompts("heldout")
     assert split_prompts("train") == train and split_prompts("heldout") == heldout
     assert not set(train) & set(heldout)
-    assert sorted(train + heldout) == sorted(p for c in CATEGORIES for p in all_prompts(c))
     for category in CATEGORIES:
-        n_heldout = len(split_prompts("heldout", category))
-        assert n_heldout >= 1 and len(split_prompts("train", category)) >= 1
-        assert abs(n_heldout - 0.25 * len(all_prompts(category))) <= 1
+        prompts = all_prompts(category)
+        # train: every template prompt without a held-out composition; held-out: only such prompts
+        assert split_prompts("train", category) == [p for p in prompts if not is_heldout_composition(parse_prompt(p))]
+        assert all(is_heldout_composition(parse_prompt(p)) for p in split_prompts("heldout", category))
+        assert set(split_prompts("heldout", category)) <= set(prompts)
     # Pinned: the split must not move between runs, machines or Python versions.
     assert hashlib.sha256("\n".join(heldout).encode()).hexdigest() == (
-        "f94d8a0bb9f483afac454f31cadca8afa0971fbb3c8fe71d2ecac8f032921a2d"
+        "029e0b22118c703a5826f2f3b52f87f5334ab94b708301e5f4cbf6efeb682ba1"
     )
     with pytest.raises(ValueError, match="split"):
         split_prompts("test")
+
+
+def test_every_category_has_at_least_30_heldout_prompts():
+    counts = {c: len(split_prompts("heldout", c)) for c in CATEGORIES}
+    assert counts == {"single_object": 36, "two_objects": 40, "counting": 48, "colors": 48, "position": 40,
+                      "color_attr": 48}
+
+
+def test_heldout_compositions_never_appear_in_training():
+    for prompt in split_prompts("train"):
+        groups = parse_prompt(prompt).groups
+        assert not any((g.colour, g.shape) in HELDOUT_COLOUR_SHAPES for g in groups), prompt
+        assert frozenset(g.shape for g in groups) not in HELDOUT_SHAPE_PAIRS, prompt
+    # ... while every word of the vocabulary, every shape and every colour does.
+    train_words = {word for prompt in split_prompts("train") for word in prompt.split()}
+    assert train_words == set(VOCABULARY)
+    for shape in SHAPES:
+        assert len(train_colours(shape)) == len(COLOURS) - 3
+    assert {colour for colour, _ in HELDOUT_COLOUR_SHAPES} == set(COLOURS)
+
+
+def test_train_scenes_never_draw_a_heldout_composition():
+    # Prompts leave colours free ("three stars"): the train sampler still never pairs them wrongly.
+    rng = np.random.default_rng(14)
+    for _ in range(400):
+        objects = sample_scene(rng, split="train").objects
+        assert not any((o.colour, o.shape) in HELDOUT_COLOUR_SHAPES for o in objects)
+        shapes = {o.shape for o in objects}
+        assert not any(pair <= shapes for pair in HELDOUT_SHAPE_PAIRS)
+    # Without a split, a free colour is any colour (held-out scenes, the verifier benchmark).
+    stars = [scene_for(parse_prompt("a star"), rng).objects[0].colour for _ in range(200)]
+    assert set(stars) == set(COLOURS)
 
 
 def test_sample_scene_respects_split():

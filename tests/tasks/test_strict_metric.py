@@ -23,6 +23,22 @@ SURPLUS = {  # GenEval-correct pictures with one object too many
 }
 
 
+NEW_SHAPES_SURPLUS = {  # the same with the shapes added to the world (star, diamond, cross)
+    "one black star": _scene("one black star", ("star", "black", (0.3, 0.3)), ("cross", "black", (0.72, 0.72))),
+    "three diamonds": _scene("three diamonds", ("diamond", "red", (0.25, 0.25)), ("diamond", "cyan", (0.75, 0.25)),
+                             ("diamond", "pink", (0.25, 0.75)), ("star", "blue", (0.75, 0.75))),
+    "a red cross and a pink cross": _scene("a red cross and a pink cross", ("cross", "red", (0.25, 0.3)),
+                                           ("cross", "pink", (0.75, 0.3)), ("cross", "pink", (0.5, 0.75))),
+}
+
+
+@pytest.mark.parametrize("prompt", list(NEW_SHAPES_SURPLUS))
+def test_a_surplus_object_among_the_new_shapes_is_strict_wrong(prompt):
+    verdict = verify(NEW_SHAPES_SURPLUS[prompt], prompt)
+    assert verdict.correct and verdict.surplus_objects == 1 and not verdict.strict
+    assert {o["shape"] for o in verdict.details["objects"]} <= {"star", "diamond", "cross"}
+
+
 @pytest.mark.parametrize("prompt", list(SURPLUS))
 def test_a_surplus_object_is_geneval_correct_but_strict_wrong(prompt):
     verdict = verify(SURPLUS[prompt], prompt)

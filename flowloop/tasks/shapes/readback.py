@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .vocab import BACKGROUND, COLOURS
+from . import geometry
+from .vocab import BACKGROUND, COLOURS, SHAPES
 
 MIN_ALPHA = 0.5
 """Least coverage of its colour for a pixel to belong to an object."""
@@ -33,6 +34,9 @@ MIN_TEMPLATE_IOU = 0.7
 """A component whose best-fitting ideal shape overlaps it less than this is no known shape."""
 
 _COLOUR_NAMES = list(COLOURS)
+_REACH = max(geometry.radius(shape) / np.sqrt(geometry.area(shape)) for shape in SHAPES)
+"""How far an area-matched template reaches from its centroid, over sqrt(area), at most (a
+triangle's apex: 0.943); bounds the window a component is matched in."""
 _BG = np.asarray(BACKGROUND, dtype=np.float32)
 _DIRS = np.asarray(list(COLOURS.values()), dtype=np.float32) - _BG  # [K, 3]
 _DIR_NORM2 = (_DIRS**2).sum(axis=1)  # [K]
@@ -134,7 +138,7 @@ def _soft_mask(
     """
     h, w = component.shape
     ys, xs = np.nonzero(component)
-    reach = int(np.ceil(0.95 * np.sqrt(len(xs)))) + 2  # an area-matched triangle's apex: 0.943 sqrt(A)
+    reach = int(np.ceil(_REACH * np.sqrt(len(xs)))) + 2
     x0, x1 = max(0, xs.min() - reach), min(w, xs.max() + reach + 1)
     y0, y1 = max(0, ys.min() - reach), min(h, ys.max() + reach + 1)
     grown = component[y0:y1, x0:x1].copy()  # [h', w']
@@ -148,8 +152,8 @@ def _soft_mask(
 
 def template_overlaps(soft: np.ndarray, cx: float, cy: float) -> dict[str, float]:
     """Soft IoU (sum of minima / sum of maxima) of a coverage window with each ideal shape of the
-    same area and centroid (`cx`, `cy` in window pixels), drawn as `render` draws them: an
-    axis-aligned square, an apex-up triangle with base = height, its centroid 2/3 down.
+    same area and centroid (`cx`, `cy` in window pixels), drawn as `render` draws them
+    (`geometry.OUTLINES`, upright, at the size that gives that area).
 
     Templates are rasterised with sub-pixel samples (4x4 for small windows) so that a small
     shape's partly covered corners are compared like for like.
@@ -159,14 +163,10 @@ def template_overlaps(soft: np.ndarray, cx: float, cy: float) -> dict[str, float
     sub = int(np.clip(128 // max(h, w), 1, 4))
     gx = (np.arange(w * sub) + 0.5) / sub - cx  # [w*sub]
     gy = ((np.arange(h * sub) + 0.5) / sub - cy)[:, None]  # [h*sub, 1]
-    radius, half_side, height = np.sqrt(area / np.pi), np.sqrt(area) / 2, np.sqrt(2 * area)
-    inside = {
-        "circle": gx**2 + gy**2 <= radius**2,
-        "square": (np.abs(gx) <= half_side) & (np.abs(gy) <= half_side),
-        "triangle": (gy <= height / 3) & (np.abs(gx) <= (gy + 2 * height / 3) / 2),
-    }
     overlaps = {}
-    for name, samples in inside.items():
+    for name in SHAPES:
+        scale = np.sqrt(area / geometry.area(name))  # the size at which the shape has this area
+        samples = geometry.inside(name, gx / scale, gy / scale)  # [h*sub, w*sub]
         template = samples.reshape(h, sub, w, sub).mean(axis=(1, 3))  # [h, w] coverage
         overlaps[name] = float(np.minimum(soft, template).sum() / np.maximum(soft, template).sum())
     return overlaps

@@ -3,6 +3,7 @@
 import numpy as np
 from PIL import Image, ImageDraw
 
+from . import geometry
 from .scene import Scene
 from .vocab import BACKGROUND, COLOURS
 
@@ -18,14 +19,13 @@ def render(scene: Scene, size: int | tuple[int, int] = 64) -> np.ndarray:
     canvas = Image.new("RGB", (big, big), BACKGROUND)
     draw = ImageDraw.Draw(canvas)
     for obj in scene.objects:
-        x0, y0, x1, y1 = (v * big for v in obj.bbox())
         fill = COLOURS[obj.colour]
-        if obj.shape == "circle":
-            draw.ellipse((x0, y0, x1, y1), fill=fill)
-        elif obj.shape == "square":
-            draw.rectangle((x0, y0, x1, y1), fill=fill)
-        else:  # triangle: apex up, centroid at obj.centre
-            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
+        outline = geometry.OUTLINES[obj.shape]
+        if outline is None:
+            draw.ellipse(tuple(v * big for v in obj.bbox()), fill=fill)
+        else:  # the outline around the area centroid, at the object's size
+            (x, y), size = obj.centre, obj.size
+            draw.polygon([((x + size * u) * big, (y + size * v) * big) for u, v in outline], fill=fill)
     return np.array(canvas.resize((side, side), Image.Resampling.BOX), dtype=np.uint8)  # writable copy
 
 

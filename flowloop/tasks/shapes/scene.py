@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import geometry
 from .constraints import check
-from .prompts import CATEGORIES, all_prompts, category_of, parse_prompt, split_prompts
+from .prompts import CATEGORIES, SPLITS, all_prompts, category_of, parse_prompt, split_prompts, train_colours
 from .spec import Spec
 from .vocab import COLOURS
 
@@ -41,11 +42,11 @@ class SceneObject:
     size: float
 
     def bbox(self) -> tuple[float, float, float, float]:
-        """(x0, y0, x1, y1). A triangle points up, base and height 2*size, centroid at centre."""
+        """(x0, y0, x1, y1) of the outline (`geometry.OUTLINES`) at `size` around `centre`; a
+        triangle points up, base and height 2*size, so its box reaches 4/3 size above the centre."""
         x, y = self.centre
-        if self.shape == "triangle":
-            return (x - self.size, y - 4 * self.size / 3, x + self.size, y + 2 * self.size / 3)
-        return (x - self.size, y - self.size, x + self.size, y + self.size)
+        x0, y0, x1, y1 = geometry.extent(self.shape)
+        return (x + x0 * self.size, y + y0 * self.size, x + x1 * self.size, y + y1 * self.size)
 
 
 @dataclass(frozen=True)
@@ -69,20 +70,27 @@ def sample_scene(rng: np.random.Generator, category: str | None = None, split: s
     if category is None:
         category = CATEGORIES[int(rng.integers(len(CATEGORIES)))]
     prompts = all_prompts(category) if split is None else split_prompts(split, category)
-    return scene_for(parse_prompt(prompts[int(rng.integers(len(prompts)))]), rng)
+    return scene_for(parse_prompt(prompts[int(rng.integers(len(prompts)))]), rng, split=split)
 
 
-def scene_for(spec: Spec, rng: np.random.Generator, canvas: int = 32) -> Scene:
-    """A random scene satisfying any parsed `spec`; ValueError if none is found in bounded tries."""
+def scene_for(spec: Spec, rng: np.random.Generator, canvas: int = 32, split: str | None = None) -> Scene:
+    """A random scene satisfying any parsed `spec`; ValueError if none is found in bounded tries.
+
+    With `split="train"`, an object whose colour the prompt leaves free ("a star") only takes a
+    colour the train split pairs with its shape (`train_colours`), so a train picture never shows
+    a held-out composition the prompt did not ask for.
+    """
     _check_rng(rng)
     if not isinstance(canvas, int) or canvas < 16:
         raise ValueError(f"canvas must be an int >= 16 (pixels), got {canvas!r}")
-    items = _choose_attributes(spec, rng)
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be None or one of {list(SPLITS)}, got {split!r}")
+    items = _choose_attributes(spec, rng, split)
     objects = _lay_out(items, spec, rng, canvas)
     return Scene(category_of(spec), spec, objects, canvas)
 
 
-def _choose_attributes(spec: Spec, rng: np.random.Generator) -> list[tuple[str, str]]:
+def _choose_attributes(spec: Spec, rng: np.random.Generator, split: str | None) -> list[tuple[str, str]]:
     """(shape, colour) per object: exact groups first, then one object per "a" group unless
     objects already placed satisfy it; retried with fresh colours until every count holds."""
     counts_only = Spec(spec.groups)
@@ -96,7 +104,7 @@ def _choose_attributes(spec: Spec, rng: np.random.Generator) -> list[tuple[str, 
                 need = group.count - len(found)
             else:
                 need = 0 if found and _pair_available(spec, k, items) else 1
-            items += [(group.shape, group.colour or _random_colour(rng)) for _ in range(max(need, 0))]
+            items += [(group.shape, group.colour or _free_colour(group.shape, rng, split)) for _ in range(max(need, 0))]
         placed = [SceneObject(shape, colour, (0.5, 0.5), 0.0) for shape, colour in items]
         if all(met for _, met in check(placed, counts_only)):
             return items
@@ -112,8 +120,9 @@ def _pair_available(spec: Spec, k: int, items: list[tuple[str, str]]) -> bool:
     return any(a != b for a in mine for b in other)
 
 
-def _random_colour(rng: np.random.Generator) -> str:
-    return _COLOUR_NAMES[int(rng.integers(len(_COLOUR_NAMES)))]
+def _free_colour(shape: str, rng: np.random.Generator, split: str | None) -> str:
+    colours = train_colours(shape) if split == "train" else _COLOUR_NAMES
+    return colours[int(rng.integers(len(colours)))]
 
 
 def _lay_out(
@@ -165,10 +174,10 @@ def _grid_layout(items, rng, gap, edge) -> tuple[SceneObject, ...] | None:
     objects = []
     for (shape, colour), index in zip(items, cells.tolist()):
         size = float(rng.uniform(0.95, 1.0)) * inner / 2
-        left = edge + (index % k) * cell + rng.uniform(0, inner - 2 * size)
-        top = edge + (index // k) * cell + rng.uniform(0, inner - 2 * size)
-        centre_y = top + (4 * size / 3 if shape == "triangle" else size)
-        objects.append(SceneObject(shape, colour, (float(left + size), float(centre_y)), size))
+        x0, y0, x1, y1 = geometry.extent(shape)  # within [-1, 1]: the object fits a 2*size box
+        left = edge + (index % k) * cell + rng.uniform(0, inner - (x1 - x0) * size)
+        top = edge + (index // k) * cell + rng.uniform(0, inner - (y1 - y0) * size)
+        objects.append(SceneObject(shape, colour, (float(left - x0 * size), float(top - y0 * size)), size))
     return tuple(objects)
 
 

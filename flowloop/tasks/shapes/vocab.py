@@ -2,11 +2,16 @@
 
 The palette is chosen for the verifier, not for looks. Each colour is read back as a direction
 away from the background (see `readback.py`), so what matters is the angle between those
-directions; the closest pairs (red/orange, yellow/orange) are about 22 degrees apart against the
-light grey background, which survives anti-aliased edges, blur and pixel noise.
+directions; the closest pairs (red/pink, red/orange, yellow/orange) are 22-23 degrees apart against
+the light grey background, which survives anti-aliased edges, blur and pixel noise. Nine colours:
+a tenth would come closer (brown is 15 degrees from black, magenta 12 from pink), and white or
+grey would be the background.
 """
 
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "diamond", "cross")
+"""Outlines in `geometry.py`. No hexagon: an area-matched hexagon and circle overlap by 0.955,
+so the verifier tells them apart by only 0.02-0.04 of soft IoU at any resolution, and a model's
+slightly lumpy circle would read as a hexagon."""
 PLURALS: dict[str, str] = {shape: shape + "s" for shape in SHAPES}
 
 # RGB, uint8. Insertion order is the palette index used by the verifier.
@@ -17,6 +22,9 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "green": (30, 200, 40),
     "blue": (30, 90, 250),
     "purple": (170, 40, 240),
+    "pink": (250, 110, 190),
+    "cyan": (0, 200, 220),
+    "black": (20, 20, 20),
 }
 BACKGROUND: tuple[int, int, int] = (240, 240, 240)
 
