@@ -65,8 +65,8 @@ def test_prompt_changes_the_velocity(tiny_model):
 
 
 def test_unknown_word_and_long_prompt_are_errors(tiny_model):
-    with pytest.raises(ValueError, match="pink"):
-        tiny_model.tokenize(["two pink circles"])
+    with pytest.raises(ValueError, match="brown"):
+        tiny_model.tokenize(["two brown circles"])
     with pytest.raises(ValueError, match="max_sequence_length=16"):
         tiny_model.tokenize([" ".join(["a red circle and"] * 5) + " a square"])
 

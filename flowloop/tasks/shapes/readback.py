@@ -9,10 +9,12 @@
 2. Pixels of one colour are joined into 4-connected components (numpy label propagation with
    pointer jumping); components under `MIN_AREA_FRACTION` of the image are noise and dropped.
 3. Shape by template: each component's coverage (its pixels plus their partly covered 1-pixel
-   rim) is compared with an ideal circle, square and apex-up triangle of the same area and
-   centroid (soft IoU); the best one wins if it overlaps at least `MIN_TEMPLATE_IOU`. Using all
-   pixels and sub-pixel templates keeps 7-pixel shapes apart, where bounding-box features
-   (fill ratio) are swamped by one ragged edge.
+   rim) is compared with every shape of `geometry.OUTLINES` (circle, square, apex-up triangle,
+   star, diamond, cross) at the same area and centroid (soft IoU); the best one wins if it
+   overlaps at least `MIN_TEMPLATE_IOU`. Using all pixels and sub-pixel templates keeps 8-pixel
+   shapes apart, where bounding-box features (fill ratio) are swamped by one ragged edge: on
+   noisy 32 px renders the right template leads the next best by at least 0.07 (cross against
+   diamond), most by 0.1-0.25.
 """
 
 from dataclasses import dataclass

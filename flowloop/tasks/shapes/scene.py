@@ -15,8 +15,9 @@ from .prompts import CATEGORIES, SPLITS, all_prompts, category_of, parse_prompt,
 from .spec import Spec
 from .vocab import COLOURS
 
-# Half-extent (circle radius, half of a square's side, half of a triangle's base and height)
-# ranges, normalised. The smallest is 8 px across at 32x32, enough to tell the shapes apart.
+# Half-extent (circle radius, half of a square's side, half of a triangle's base and height, a
+# star's outer radius; see geometry.py) ranges, normalised. The smallest is 8 px across at 32x32,
+# enough for the verifier to tell all six shapes apart (benchmarks/verifier.py).
 SIZE_RANGES: tuple[tuple[float, float], ...] = ((0.125, 0.145), (0.16, 0.18), (0.2, 0.23))
 GAP_PX = 3
 EDGE_PX = 1

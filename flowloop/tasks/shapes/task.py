@@ -4,8 +4,8 @@ Two accuracies, both from the verifier (`verify`) whatever reward the run trains
 GenEval-style, a sample is `correct` when every constraint its prompt states holds in the image
 (at least: "a square" is met by two squares); `strict`, when it also holds no object beyond those
 asked for. `score` is the fraction of constraints met. The headline is the mean over the six
-categories, so the 135 colour-attribution prompts do not drown the single-object ones; the mean
-over samples and 95% bootstrap intervals of both come with it (`bootstrap.py`).
+categories, as GenEval reports it; the mean over samples and 95% bootstrap intervals of both
+come with it (`bootstrap.py`).
 """
 
 from __future__ import annotations
