@@ -2,8 +2,9 @@
 
 ``x_t = (1 - t) x0 + t eps``, the denoiser regresses the velocity ``eps - x0``; ``t`` is drawn
 logit-normal as SD3 does, and 10% of captions are dropped so classifier-free guidance works.
-Only train-split prompts are ever rendered: held-out prompts stay unseen, which is what makes
-held-out accuracy a test of composition. Runs on a CPU (slowly) or a GPU (minutes).
+Only train-split scenes are ever rendered (`sample_scene(split="train")`): train prompts, and
+colours the train split allows where a prompt leaves them free, so no held-out colour-shape or
+shape-shape composition is ever seen, which is what makes held-out accuracy a test of composition. Runs on a CPU (slowly) or a GPU (minutes).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class PretrainConfig:
     out: str = "runs/pretrain"
     """Folder for the final model, ``checkpoints/step_N/`` folders and ``pretrain_log.jsonl``."""
     resolution: int = 32
-    """Training image size; 32 keeps CPU RL fast while the verifier still reads shapes reliably."""
+    """Training image size; 32 keeps CPU RL fast (64 image tokens, against 144 at 48) while the
+    verifier still reads all six shapes (docs/shapes-world.md)."""
     steps: int = 20000
     """Optimizer steps. Accuracy stays near zero for the first few thousand."""
     batch_size: int = 256

@@ -4,6 +4,7 @@ import torch
 
 from flowloop.cli import main
 from flowloop.models import load_flow_model
+from flowloop.tasks.shapes.prompts import HELDOUT_COLOUR_SHAPES, is_heldout_composition
 from flowloop.trainer.pretrain import render_dataset
 
 
@@ -16,6 +17,11 @@ def test_render_dataset_is_deterministic_and_train_only():
     assert torch.equal(a, b)
     heldout = {p for c in shapes.CATEGORIES for p in shapes.split_prompts("heldout", c)}
     assert not heldout & set(prompts)
+    assert not any(is_heldout_composition(shapes.parse_prompt(p)) for p in prompts)
+    # What the pictures show, read back, holds no held-out pair either (colours a prompt leaves free).
+    for image in a.permute(0, 2, 3, 1).numpy():
+        seen = shapes.verify(image, "a circle").details["objects"]
+        assert not any((o["colour"], o["shape"]) in HELDOUT_COLOUR_SHAPES for o in seen)
 
 
 def test_pretrain_cli_learns_and_saves(tmp_path):
