@@ -101,8 +101,8 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=["sd3", "qwen_image"])
     parser.add_argument("--modes", nargs="+", default=["ray", "local"])
     parser.add_argument("--rounds", type=int, default=1,
-                        help="run the modes this many times in turn (ray, local, ray, local...): a GPU's clock drift "
-                             "over a session then falls on both modes alike")
+                        help="run the modes this many times, the order reversed every other round (ray, local, local, "
+                             "ray...): a GPU that runs slower or faster as a session goes on then weighs on both modes alike")
     parser.add_argument("--steps", type=int, default=3, help="timed RL steps (after one warm-up step)")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--n", type=int, default=8, help="group size")
@@ -116,7 +116,7 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=False)
     results = []
     for family in args.families:
-        for round_index, mode in ((r, m) for r in range(args.rounds) for m in args.modes):
+        for round_index, mode in ((r, m) for r in range(args.rounds) for m in (args.modes if r % 2 == 0 else args.modes[::-1])):
             try:
                 results.append({**run_mode(family, args, mode), "round": round_index})
             except Exception as err:  # one failure keeps the others' figures
