@@ -9,6 +9,7 @@ shape-shape composition is ever seen, which is what makes held-out accuracy a te
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -58,7 +59,8 @@ class PretrainConfig:
     time_budget_min: float = 0.0
     """Stop early (then evaluate and save) once training has run this long; 0 means no limit."""
     init: str | None = None
-    """Start from this model folder instead of random weights (to continue a run)."""
+    """Start from this model folder instead of random weights (to continue a run, or to carry a model
+    over to a world with more words: see `initial_model`)."""
     seed: int = 0
     """Seeds the dataset, the initial weights and the training noise."""
     device: str = "auto"
@@ -126,6 +128,31 @@ def build_model(cfg: PretrainConfig) -> TinyFlowModel:
     return TinyFlowModel(tokenizer, text_encoder, transformer)
 
 
+def initial_model(cfg: PretrainConfig) -> TinyFlowModel:
+    """Random weights, or ``cfg.init``'s. A model whose tokenizer lacks words of today's vocabulary
+    (the world has grown since it was trained) is carried over word by word: every word it knows
+    keeps its embedding row, a new word starts from a random one, and every other weight is kept,
+    so what it learned about the old words, layout and colours is where training starts."""
+    if not cfg.init:
+        return build_model(cfg)
+    old = TinyFlowModel.from_pretrained(cfg.init)
+    old_vocab = old.tokenizer.get_vocab()
+    tokenizer = build_tokenizer(shapes.VOCABULARY, model_max_length=old.max_sequence_length)
+    vocab = tokenizer.get_vocab()
+    if set(vocab) <= set(old_vocab):
+        return old
+    text_config = {k: old.text_encoder.config[k] for k in ("max_length", "hidden_size", "depth", "num_heads")}
+    text_encoder = TinyTextEncoder(vocab_size=len(tokenizer), **text_config)
+    state = old.text_encoder.state_dict()
+    rows = text_encoder.token_embedding.weight.detach().clone()
+    for word, i in vocab.items():
+        if word in old_vocab:
+            rows[i] = state["token_embedding.weight"][old_vocab[word]]
+    state["token_embedding.weight"] = rows
+    text_encoder.load_state_dict(state)
+    return TinyFlowModel(tokenizer, text_encoder, old.transformer)
+
+
 def pretrain(cfg: PretrainConfig, log=print) -> Path:
     """Train, evaluate every ``eval_every`` steps, and save; returns the output folder."""
     # 1. Set up device, model, EMA copy and data.
@@ -133,12 +160,11 @@ def pretrain(cfg: PretrainConfig, log=print) -> Path:
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else ("cpu" if cfg.device == "auto" else cfg.device))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = TinyFlowModel.from_pretrained(cfg.init) if cfg.init else build_model(cfg)
+    model = initial_model(cfg)
+    ema = copy.deepcopy(model)
     modules = torch.nn.ModuleDict({"text_encoder": model.text_encoder, "transformer": model.transformer}).to(device)
     modules.requires_grad_(True).train()
-    ema = TinyFlowModel.from_pretrained(cfg.init) if cfg.init else build_model(cfg)
     ema_modules = torch.nn.ModuleDict({"text_encoder": ema.text_encoder, "transformer": ema.transformer}).to(device)
-    ema_modules.load_state_dict(modules.state_dict())
     ema_modules.requires_grad_(False).eval()
     n_params = sum(p.numel() for p in modules.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters on {device}; rendering {cfg.dataset_size} train scenes...")

@@ -36,3 +36,32 @@ def test_pretrain_cli_learns_and_saves(tmp_path):
     model = load_flow_model(out / "model")
     assert model.transformer.config.hidden_size == 32
     assert (out / "checkpoints" / "step_80" / "model_index.json").is_file()
+
+
+def test_init_from_a_model_of_fewer_words_keeps_what_it_knows(tmp_path):
+    """A model trained before the world grew starts pretraining with its weights and the rows of
+    the words it knows; the new words get rows of their own."""
+    from flowloop.models.tiny import TinyDiT, TinyFlowModel, TinyTextEncoder, build_tokenizer
+    from flowloop.tasks import shapes
+    from flowloop.trainer.pretrain import PretrainConfig, initial_model
+
+    old_words = [w for w in shapes.VOCABULARY if w not in ("star", "stars", "pink")]
+    tokenizer = build_tokenizer(old_words)
+    torch.manual_seed(0)
+    old = TinyFlowModel(tokenizer, TinyTextEncoder(vocab_size=len(tokenizer), hidden_size=32, depth=1, num_heads=2),
+                        TinyDiT(sample_size=32, patch_size=4, hidden_size=32, depth=1, num_heads=2, text_dim=32))
+    old.save_pretrained(tmp_path / "old", dtype=torch.float32)
+
+    model = initial_model(PretrainConfig(init=str(tmp_path / "old")))
+    assert model.tokenize(["a pink star"])[0].shape[1] > 0
+    new_vocab, old_vocab = model.tokenizer.get_vocab(), tokenizer.get_vocab()
+    assert {"star", "stars", "pink"} <= set(new_vocab) and len(new_vocab) == len(old_vocab) + 3
+    new_rows, old_rows = model.text_encoder.token_embedding.weight, old.text_encoder.token_embedding.weight
+    for word in ("red", "circle", "above", "[BOS]"):
+        assert torch.equal(new_rows[new_vocab[word]], old_rows[old_vocab[word]])
+    for name, value in old.transformer.state_dict().items():
+        assert torch.equal(model.transformer.state_dict()[name], value), name
+    new_text, old_text = model.text_encoder.state_dict(), old.text_encoder.state_dict()
+    for name, value in old_text.items():
+        if name != "token_embedding.weight":
+            assert torch.equal(new_text[name], value), name
