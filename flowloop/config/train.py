@@ -41,6 +41,11 @@ class ModelConfig:
     """``torch.compile`` each repeated transformer block of the denoiser, for rollout and update
     (`flowloop.models.compiled`). Costs compile time at the first batches and again at each new
     batch shape, so it is off unless asked for."""
+    autocast: bool = False
+    """Run the denoiser's forward, rollout and update alike, under ``torch.autocast`` in
+    ``dtype`` (bfloat16 or float16 only): the float32 LoRA adapters' matmuls then run in that
+    dtype while the optimizer still steps float32 weights (`flowloop.models.autocast`). Off until
+    measured on a GPU against the float32 adapter branch."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the model family's adapter (`flowloop.models.ADAPTERS`), e.g.
     ``{guidance: 3.5}`` for FLUX.1-dev's guidance embedding; an unknown key is an error."""
@@ -150,6 +155,9 @@ class TrainConfig:
                 raise ValueError("actor.ema_decay is not offered with rollout.max_staleness > 0 (validation samples on the "
                                  "replica's own copy of the weights); unset one of them")
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
+        if self.model.autocast and self.model.dtype == "float32":
+            raise ValueError("model.autocast needs model.dtype bfloat16 or float16 (a float32 model gains nothing); "
+                             "set model.autocast=false or model.dtype=bfloat16")
         self.actor.validate()
         self._validate_objective()
         if self.trainer.resume not in RESUME_MODES and "/" not in self.trainer.resume:

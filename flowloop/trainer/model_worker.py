@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from flowloop.compute import compute_executor
 from flowloop.models import load_flow_model
+from flowloop.models.autocast import autocast_forward
 from flowloop.models.compiled import compile_repeated_blocks
 from flowloop.protocol import Batch
 from flowloop.rollout.engine import RolloutEngine
@@ -82,6 +83,9 @@ class ModelWorker:
             torch.manual_seed(cfg.trainer.seed)  # the run's global RNG stream starts here, the same on every run
         elif cfg.actor.finetune == "lora":
             add_lora(self.model.trainable_module(), cfg.actor)
+        if cfg.model.autocast:  # after LoRA: the adapters it is for are in place
+            for module in dict.fromkeys(m.trainable_module() for m in (self.model, self.sampler)):
+                autocast_forward(module, cfg.model.dtype)
         if cfg.model.compile:  # after LoRA and sharding: the compiled blocks hold the adapters
             for module in dict.fromkeys(m.trainable_module() for m in (self.model, self.sampler)):
                 compile_repeated_blocks(module)
