@@ -76,13 +76,15 @@ def cmd_train(args) -> None:
         return
     summary = run(cfg, log=tqdm.write)  # keeps the live progress line intact
     before, after = summary["before"], summary["after"]
-    if summary["val_metric"] == "val/accuracy":
-        print(f"\nheld-out accuracy {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) after {summary['steps']} steps")
+    accuracy = summary["val_metric"] in ("val/accuracy", "val/strict_accuracy")
+    if accuracy:
+        name = summary["val_metric"].removeprefix("val/").replace("_", " ")
+        print(f"\nheld-out {name} {before:.1%} -> {after:.1%} ({(after - before) * 100:+.1f} points) after {summary['steps']} steps")
     else:
         print(f"\nvalidation reward {before:.4f} -> {after:.4f} ({after - before:+.4f}) after {summary['steps']} steps")
     print(f"grids: {summary['grid_before']} (before), {summary['grid_after']} (after)")
     print(f"metrics: {summary['run_dir']}/metrics.jsonl; curve: flowloop plot {summary['run_dir']}")
-    if summary["val_metric"] == "val/accuracy":
+    if accuracy:
         print(f"precise before/after: flowloop eval, then flowloop eval --checkpoint {summary['run_dir']}/checkpoints/step_{summary['steps']:06d}")
 
 

@@ -26,12 +26,17 @@ def test_category_series_are_trailing_means_over_the_steps_a_category_was_drawn(
     assert series["position"] == ([2], [0.25])  # the mean reward where it does not
 
 
-def test_plot_writes_a_png_from_a_run_folder(tmp_path, capsys):
+@pytest.mark.parametrize("strict", [False, True])  # runs before the strict metric, and today's
+def test_plot_writes_a_png_from_a_run_folder(tmp_path, capsys, strict):
     rows = [{"step": 0, "val/accuracy": 0.5, "val/counting/accuracy": 0.4, "val/position/accuracy": 0.6}]
     for step in range(1, 21):
         rows.append({"step": step, "reward/mean": 0.5 + step / 100, "reward/correct": step / 40,
                      "reward/category/counting/correct": step / 20, "reward/category/position/correct": 1 - step / 20})
     rows.append({"step": 20, "val/accuracy": 0.7, "val/counting/accuracy": 0.8, "val/position/accuracy": 0.6})
+    if strict:
+        for row in (rows[0], rows[-1]):
+            row.update({f"val/{k.removeprefix('val/').replace('accuracy', 'strict_accuracy')}": v - 0.1
+                        for k, v in list(row.items()) if k.endswith("accuracy")})
     write_metrics(tmp_path / "run", rows)
     assert main(["plot", str(tmp_path / "run")]) == 0
     png = tmp_path / "run" / "curve.png"

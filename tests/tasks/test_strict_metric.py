@@ -88,7 +88,7 @@ def test_validation_logs_strict_beside_an_unchanged_accuracy():
     assert metrics["val/counting/strict_accuracy"] < metrics["val/counting/accuracy"]
     assert metrics["val/strict_accuracy"] < metrics["val/accuracy"]
     assert {f"val/{c}/strict_accuracy" for c in CATEGORIES} < set(metrics)
-    assert ShapesTask.val_metric == "val/accuracy"
+    assert ShapesTask.val_metric == "val/strict_accuracy"
 
 
 def _verdicts(n_per_category: int, seed: int = 0) -> tuple[list[bool], list[str]]:

@@ -54,7 +54,7 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
     before = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
     after = load_file(tmp_path / "shapes" / "checkpoints" / "step_000002" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert summary["val_metric"] == "val/accuracy" and summary["before"] is not None and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
+    assert summary["val_metric"] == "val/strict_accuracy" and summary["before"] is not None and (tmp_path / "shapes" / "grids" / "step_000002.png").is_file()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "shapes" / "tensorboard"), size_guidance={"images": 0})

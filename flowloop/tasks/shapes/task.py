@@ -107,7 +107,7 @@ class ShapesTask:
     validation: ``val_per_category`` samples per category from ``val_split``, ``GRID_COLUMNS``
     seeds per prompt in turn, scored by the verifier."""
 
-    val_metric = "val/accuracy"
+    val_metric = "val/strict_accuracy"  # the headline: exactly what the prompt asks; val/accuracy (GenEval-style) beside it
 
     def __init__(self, train_split: str = "train", val_split: str = "heldout", prompt_sampling: str = "uniform",
                  category_weights: dict[str, float] | None = None, val_per_category: int = 32):
