@@ -8,21 +8,16 @@ import pytest
 import torch
 
 from flowloop.models import load_flow_model
-from flowloop.models.prompt_ids import unknown_words
 from flowloop.rollout import RolloutEngine, RolloutRequest, SamplingParams
 from flowloop.tasks import shapes
+
+
+PROMPTS = [p for c in shapes.CATEGORIES for p in shapes.split_prompts("train", c)[:3]]
 
 
 @pytest.fixture(scope="module")
 def model():
     return load_flow_model()
-
-
-@pytest.fixture(scope="module")
-def prompts(model):
-    """Three train prompts per category, of those whose words the shipped weights know."""
-    known = [[p for p in shapes.split_prompts("train", c) if not unknown_words(model.tokenizer, p)] for c in shapes.CATEGORIES]
-    return [p for pool in known for p in pool[:3]]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +45,10 @@ def _assert_identical(a, b) -> None:
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
-def test_sample_is_bitwise_the_same_alone_and_in_any_batch(model, engine, prompts, guidance_scale):
+def test_sample_is_bitwise_the_same_alone_and_in_any_batch(model, engine, guidance_scale):
     # 1. A batch of 16 mixed prompts; with CFG one row brings a negative prompt (true CFG).
     cfg = guidance_scale > 1
-    batch = [_request(model, f"r{k}", prompts[(5 * k) % len(prompts)], 1000 + 7 * k,
+    batch = [_request(model, f"r{k}", PROMPTS[(5 * k) % len(PROMPTS)], 1000 + 7 * k,
                       negative="a blue square" if cfg and k == 3 else None, guidance_scale=guidance_scale)
              for k in range(16)]
     together = engine.sample(batch)
@@ -63,20 +58,20 @@ def test_sample_is_bitwise_the_same_alone_and_in_any_batch(model, engine, prompt
     for request, out in zip(batch, together):
         _assert_identical(engine.sample([request])[0], out)
     # 3. Two of them at other positions of a batch of 9 with other prompts and seeds.
-    others = [_request(model, f"o{k}", prompts[(3 * k + 1) % len(prompts)], 50 + k, guidance_scale=guidance_scale)
+    others = [_request(model, f"o{k}", PROMPTS[(3 * k + 1) % len(PROMPTS)], 50 + k, guidance_scale=guidance_scale)
               for k in range(7)]
     mixed = engine.sample([batch[3], *others[:5], batch[10], *others[5:]])
     _assert_identical(mixed[0], together[3])
     _assert_identical(mixed[6], together[10])
 
 
-def test_training_forward_is_batch_invariant_and_reaches_every_weight(model, prompts):
+def test_training_forward_is_batch_invariant_and_reaches_every_weight(model):
     """The update replays log-probs through the same forward with gradients on."""
     dit = model.transformer
     generator = torch.Generator().manual_seed(0)
     side = model.default_resolution
     x = torch.randn(5, *model.latent_shape(side, side), generator=generator)
-    ids, mask = model.tokenize([prompts[k] for k in range(5)])
+    ids, mask = model.tokenize([PROMPTS[k] for k in range(5)])
     text = model.encode_prompt(ids, mask)["prompt_embeds"]
     sigma = torch.rand(5, generator=generator)
     batched = dit(x, sigma, text, mask)
