@@ -4,7 +4,8 @@
 logit-normal as SD3 does, and 10% of captions are dropped so classifier-free guidance works.
 Only train-split scenes are ever rendered (`sample_scene(split="train")`): train prompts, and
 colours the train split allows where a prompt leaves them free, so no held-out colour-shape or
-shape-shape composition is ever seen, which is what makes held-out accuracy a test of composition. Runs on a CPU (slowly) or a GPU (minutes).
+shape-shape composition is ever seen, which is what makes held-out accuracy a test of
+composition. Runs on a CPU (slowly) or a GPU (minutes).
 """
 
 from __future__ import annotations
