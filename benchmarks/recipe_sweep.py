@@ -1,4 +1,4 @@
-"""Run several `flowloop train` configurations side by side and tabulate held-out accuracy.
+"""Run several `flowloop train` configurations side by side and tabulate strict held-out accuracy.
 
     python benchmarks/recipe_sweep.py --minutes 8 --out runs/sweep \
         --base "model.device=cuda trainer.total_steps=300" \
@@ -10,7 +10,7 @@ steps done, seconds per step, held-out accuracy before, best (and at which step)
 ``--eval`` then runs ``flowloop eval --split heldout --checkpoint`` on each variant's newest
 checkpoint (and the run's ``model.path``; all at once, 2 threads each; 8 seeds per prompt) at
 each ``--eval-steps`` ODE step count (default 40), writes ``OUT/NAME/eval_step_N_odeS.json`` and
-prints overall and per-category accuracy. Seeds are variants too: ``--variant "s1: trainer.seed=1"``.
+prints overall and per-category strict accuracy. Seeds are variants too: ``--variant "s1: trainer.seed=1"``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def main() -> None:
     for name in procs:
         path = Path(args.out) / name / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        val = [(r["step"], r["val/accuracy"]) for r in rows if r.get("val/accuracy") is not None]
+        metric = json.loads((Path(args.out) / name / "summary.json").read_text())["val_metric"] \
+            if (Path(args.out) / name / "summary.json").exists() else "val/strict_accuracy"
+        val = [(r["step"], r[metric]) for r in rows if r.get(metric) is not None]
         steps = [r for r in rows if r.get("time/step")]
         if not val:
             print(f"{name:<14} no validation yet (see {args.out}/{name}.log)")
@@ -93,8 +95,9 @@ def evaluate_newest_checkpoints(out: Path, names: list[str], step_counts: list[i
             print(f"{name:<14} eval failed (see {log.name})")
             continue
         report = json.loads(result.read_text())
-        categories = "  ".join(f"{c} {v['accuracy']:.1%}" for c, v in report["per_category"].items())
-        print(f"{name:<14} {result.stem.removeprefix('eval_'):<18} held-out {report['accuracy']:.1%}  {categories}")
+        categories = "  ".join(f"{c} {v['strict_accuracy']:.1%}" for c, v in report["per_category"].items())
+        print(f"{name:<14} {result.stem.removeprefix('eval_'):<18} held-out strict {report['strict_accuracy']:.1%}"
+              f" (GenEval-style {report['accuracy']:.1%})  {categories}")
 
 
 if __name__ == "__main__":
