@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-RECIPE = {"sd3": "sd3", "qwen_image": "qwen_image", "flux": "flux", "wan": "wan"}
+FAMILIES = ("sd3", "qwen_image", "flux", "wan")  # each family's shipped recipe has its name
 
 SHARED = ("model.device=cuda rollout.pipeline.height=512 rollout.pipeline.width=512 "
           "rollout.pipeline.num_inference_steps=10 rollout.algo.sde_window_size=2 "
@@ -30,7 +30,7 @@ SHARED = ("model.device=cuda rollout.pipeline.height=512 rollout.pipeline.width=
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=sorted(RECIPE), required=True)
+    parser.add_argument("--family", choices=FAMILIES, required=True)
     parser.add_argument("--lever", action="append", required=True, help='"name: key=value key=value"')
     parser.add_argument("--n", type=int, default=8, help="samples a step (one prompt's group)")
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -48,7 +48,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, overrides in (levers if round_ % 2 == 0 else levers[::-1]):
             result = out / f"{name}_round{round_}.json"
-            cmd = [sys.executable, "-m", "flowloop.cli", "bench", "--recipe", RECIPE[args.family],
+            cmd = [sys.executable, "-m", "flowloop.cli", "bench", "--recipe", args.family,
                    "--random", args.family, "--steps", str(args.steps), "--json", str(result),
                    *shlex.split(shared), *shlex.split(overrides)]
             with open(out / f"{name}_round{round_}.log", "w") as log:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from flowloop.tasks.shapes.task import ShapesTask
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,9 +58,7 @@ def main() -> None:
     for name in procs:
         path = Path(args.out) / name / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        metric = json.loads((Path(args.out) / name / "summary.json").read_text())["val_metric"] \
-            if (Path(args.out) / name / "summary.json").exists() else "val/strict_accuracy"
-        val = [(r["step"], r[metric]) for r in rows if r.get(metric) is not None]
+        val = [(r["step"], r[ShapesTask.val_metric]) for r in rows if r.get(ShapesTask.val_metric) is not None]
         steps = [r for r in rows if r.get("time/step")]
         if not val:
             print(f"{name:<14} no validation yet (see {args.out}/{name}.log)")
