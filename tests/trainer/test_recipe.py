@@ -1,6 +1,7 @@
 """The RL recipe end to end on a tiny random model: exact replay, exact resume, run folders."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -49,6 +50,8 @@ def test_replay_reproduces_rollout_log_probs_and_weights_move(tiny_model_dir, tm
         assert row["actor/grad_norm"] > 0
     assert set(rows[0]) >= {"val/accuracy", "val/color_attr/accuracy"}
     assert {"reward/mean", "advantage/zero_std_group_frac", "actor/kl_loss", "actor/clip_frac", "actor/approx_kl"} <= set(trained[0])
+    per_step = {k for k in trained[0] if re.search(r"_step[0-9]+$", k)}  # each of the window's 2 trained steps, on its own
+    assert per_step == {f"actor/{m}_step{j}" for m in ("clip_frac", "approx_kl", "adv_log_ratio") for j in (0, 1)}
     by_category = {k.split("/")[2] for row in trained for k in row if k.startswith("reward/category/")}
     assert by_category and by_category <= set(shapes.CATEGORIES)  # the step's prompts, by category
     before = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
