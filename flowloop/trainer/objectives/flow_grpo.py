@@ -78,7 +78,7 @@ class FlowGRPO:
         if old is None:
             old = rows["rollout_log_probs"][:, j]
         loss, diag = flow_grpo_loss(out.log_prob, old, advantages, self.settings.clip_range, cfg.adv_clip_max)
-        diag = {**diag, **per_step_diagnostics(out.log_prob.detach() - old, advantages, self.settings.clip_range, j)}
+        diag = {**diag, **per_step_diagnostics(diag, out.log_prob.detach() - old, advantages, j)}
         if cfg.kl_coef == 0:
             return loss, diag, None
         with torch.no_grad():
@@ -97,13 +97,13 @@ class FlowGRPO:
         return {"rollout_correction/mean": float(everything.mean()), "rollout_correction/max": float(everything.max())}
 
 
-def per_step_diagnostics(log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float,
+def per_step_diagnostics(diag: dict[str, torch.Tensor], log_ratio: torch.Tensor, advantages: torch.Tensor,
                          j: int) -> dict[str, torch.Tensor]:
-    """Where in the window the update moves the policy: for window step ``j``, ``clip_frac_step{j}``,
-    ``approx_kl_step{j}`` and ``adv_log_ratio_step{j}`` (mean advantage x log-ratio: > 0 when the
-    rows the optimizer has already stepped for moved toward their better samples)."""
-    return {f"clip_frac_step{j}": ((log_ratio.exp() - 1).abs() > clip_range).float().mean(),
-            f"approx_kl_step{j}": 0.5 * (log_ratio ** 2).mean(),
+    """Where in the window the update moves the policy: window step ``j``'s own ``clip_frac_step{j}``
+    and ``approx_kl_step{j}`` (from the loss's ``diag``), and ``adv_log_ratio_step{j}`` (mean
+    advantage x log-ratio: > 0 when the rows the optimizer has already stepped for moved toward
+    their better samples)."""
+    return {f"clip_frac_step{j}": diag["clip_frac"], f"approx_kl_step{j}": diag["approx_kl"],
             f"adv_log_ratio_step{j}": (advantages * log_ratio).mean()}
 
 
