@@ -7,10 +7,11 @@
 Each variant is one subprocess (``trainer.num_threads=2``), stopped after ``--minutes`` (its
 ``metrics.jsonl`` is written every step, so a stopped run still reports). Prints, per variant:
 steps done, seconds per step, held-out accuracy before, best (and at which step), and last.
-``--eval`` then runs ``flowloop eval --split heldout --checkpoint`` on each variant's newest
-checkpoint (and the run's ``model.path``; all at once, 2 threads each; 8 seeds per prompt) at
-each ``--eval-steps`` ODE step count (default 40), writes ``OUT/NAME/eval_step_N_odeS.json`` and
-prints overall and per-category strict accuracy. Seeds are variants too: ``--variant "s1: trainer.seed=1"``.
+``--eval`` then runs ``flowloop eval --split heldout`` on each variant's newest checkpoint and
+those of the RL steps named by ``--eval-at`` (with the run's ``model.path``; all at once, 2
+threads each, sampling on ``--eval-device``; 8 seeds per prompt) at each ``--eval-steps`` ODE
+step count (default 40), writes ``OUT/NAME/eval_step_N_odeS.json`` and prints overall and
+per-category strict accuracy. Seeds are variants too: ``--variant "s1: trainer.seed=1"``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def main() -> None:
     parser.add_argument("--base", default="", help="overrides shared by every variant")
     parser.add_argument("--variant", action="append", required=True, help='"name: key=value key=value"')
     parser.add_argument("--eval", action="store_true", help="evaluate each variant's newest checkpoint on the held-out split")
+    parser.add_argument("--eval-device", default="cpu", help="where the evaluations sample: cpu or cuda")
+    parser.add_argument("--eval-at", type=int, nargs="+", default=[],
+                        help="also evaluate these RL steps' checkpoints (needs trainer.keep_last=null in --base)")
     parser.add_argument("--eval-steps", type=int, nargs="+", default=[40], help="ODE step counts to evaluate at (one eval each)")
     args = parser.parse_args()
     procs = {}
@@ -67,11 +71,13 @@ def main() -> None:
         per_step = sum(r["time/step"] for r in steps) / max(len(steps), 1)
         print(f"{name:<14} {len(steps):>5} {per_step:>7.2f} {val[0][1]:>7.1%} {best[1]:>7.1%} {best[0]:>6} {val[-1][1]:>7.1%}")
     if args.eval:
-        evaluate_newest_checkpoints(Path(args.out), list(procs), args.eval_steps)
+        evaluate_checkpoints(Path(args.out), list(procs), args.eval_steps, args.eval_device, args.eval_at)
 
 
-def evaluate_newest_checkpoints(out: Path, names: list[str], step_counts: list[int]) -> None:
-    """`flowloop eval` of each run's newest checkpoint at each ODE step count, in parallel; one row each."""
+def evaluate_checkpoints(out: Path, names: list[str], step_counts: list[int], device: str = "cpu",
+                         rl_steps: list[int] = ()) -> None:
+    """`flowloop eval` of each run's newest checkpoint (and those of ``rl_steps`` that exist) at each
+    ODE step count, all in parallel on ``device``; one row each."""
     jobs = {}
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     for name in names:
@@ -79,14 +85,15 @@ def evaluate_newest_checkpoints(out: Path, names: list[str], step_counts: list[i
         if not checkpoints:
             print(f"{name:<14} no checkpoint to evaluate")
             continue
+        chosen = [c for c in checkpoints if int(c.name.removeprefix("step_")) in rl_steps and c != checkpoints[-1]]
         model_path = OmegaConf.load(out / name / "config.yaml").model.path  # the run's own base model
-        for steps in step_counts:
-            result = out / name / f"eval_{checkpoints[-1].name}_ode{steps}.json"
+        for checkpoint, steps in [(c, s) for c in [*chosen, checkpoints[-1]] for s in step_counts]:
+            result = out / name / f"eval_{checkpoint.name}_ode{steps}.json"
             cmd = [sys.executable, "-m", "flowloop.cli", "eval", "--split", "heldout", "--steps", str(steps),
-                   "--checkpoint", str(checkpoints[-1]), "--json", str(result)]
+                   "--checkpoint", str(checkpoint), "--json", str(result), "--device", device]
             if model_path:
                 cmd += ["--model", str(model_path)]
-            log = open(out / f"{name}.eval_ode{steps}.log", "w")
+            log = open(out / f"{name}.eval_{checkpoint.name}_ode{steps}.log", "w")
             jobs[result] = (name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
     for result, (name, proc, log) in jobs.items():
         proc.wait()

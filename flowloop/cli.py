@@ -115,14 +115,22 @@ def cmd_plot(args) -> None:
 def _load_model(args):
     from flowloop.models import load_flow_model, load_trained_weights
 
+    if args.device.startswith("cuda") and not torch_cuda_available():
+        raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     try:
-        model = load_flow_model(args.model)
+        model = load_flow_model(args.model, device=args.device)
     except Exception as err:
         raise unreadable_weights(err, f"--model {args.model or '(the embedded model)'}") from err
     try:
         return load_trained_weights(model, args.checkpoint) if args.checkpoint else model
     except Exception as err:
         raise unreadable_weights(err, f"--checkpoint {args.checkpoint}") from err
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def unreadable_weights(err: Exception, where: str) -> Exception:
@@ -306,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/curve.png)")
     p.set_defaults(func=cmd_plot)
 
+    device_help = "where the model samples: cpu, cuda or cuda:N (seeds fix the noise on any device; pixels agree across devices to rounding)"
     model_help = "model folder in diffusers layout (default: the embedded shapes model)"
     checkpoint_help = "a flowloop train checkpoint (runs/<name>/checkpoints/step_N) whose weights replace the model's"
     resolution_help = "square image size (default: the model's own)"
@@ -322,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upscale", type=_positive, default=None, help="nearest-neighbour upscale of the saved files (default: 4 below 128 pixels, else 1)")
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
+    p.add_argument("--device", default="cpu", help=device_help)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="strict and GenEval-style accuracy on the shapes world, with 95% bootstrap intervals, "
@@ -344,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
+    p.add_argument("--device", default="cpu", help=device_help)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve-reward", help="host a registered reward over HTTP for rollout.reward.name=remote")

@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from flowloop.cli import main
 from flowloop.reward.registry import register_reward
@@ -115,3 +116,10 @@ def test_plot_skips_a_torn_last_line_and_names_a_broken_one(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "rew\n' + text)
     assert main(["plot", str(tmp_path)]) == 2
     assert "metrics.jsonl line 1 is not JSON" in one_line_error(capsys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
+def test_sampling_on_cuda_without_a_gpu_names_the_flag(tiny_model_dir, tmp_path, capsys):
+    assert main(["eval", "--device", "cuda", "--model", str(tiny_model_dir), "--json", str(tmp_path / "e.json")]) == 2
+    assert "--device cuda: this machine has no CUDA device; use --device cpu" in one_line_error(capsys)
+    assert not (tmp_path / "e.json").exists()
