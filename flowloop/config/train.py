@@ -99,8 +99,8 @@ class TrainerConfig:
     val_every: int = 10
     """Validate every k steps (and before the first and after the last)."""
     val_samples_per_category: int = 32
-    """Validation samples per category, 4 seeds per held-out prompt in turn (32: 8 prompts): equal
-    precision for the 1-prompt and the 45-prompt categories (accuracy is their mean)."""
+    """Validation samples per category, 4 seeds per held-out prompt in turn (32: 8 prompts, spread
+    evenly over the category's 36 to 48): equal precision for every category (accuracy is their mean)."""
     save_every: int = 20
     """Checkpoint every k steps (and at the end)."""
     keep_last: Optional[int] = 2

@@ -27,6 +27,17 @@ def test_shapes_validation_rows_cycle_heldout_prompts_in_blocks_of_seeds():
     assert set(single) <= set(split_prompts("heldout", "color_attr"))
 
 
+def test_shapes_validation_prompts_are_spread_over_the_whole_category():
+    pool = split_prompts("heldout", "position")
+    chosen = [r["raw_prompt"] for r in ShapesTask(val_per_category=32).val_rows() if r["category"] == "position"][::GRID_COLUMNS]
+    assert len(set(chosen)) == 8
+    positions = sorted(pool.index(p) for p in chosen)
+    assert positions[0] == 0 and positions[-1] >= len(pool) * 3 // 4  # not only the list's first relation
+    assert {"left of" in p for p in chosen} == {True, False}
+    everyone = [r["raw_prompt"] for r in ShapesTask(val_per_category=4 * (len(pool) + 2)).val_rows() if r["category"] == "position"]
+    assert set(everyone) == set(pool)
+
+
 def test_shapes_evaluate_scores_rendered_scenes_as_correct():
     task = ShapesTask(val_per_category=10)
     rng = np.random.default_rng(0)

@@ -102,10 +102,20 @@ def eval_plan(split: str, samples_per_prompt: int, seed: int = 0) -> tuple[list[
     return prompts, categories, seeds
 
 
+def spread(pool: list[str], count: int) -> list[str]:
+    """``count`` prompts spread evenly over ``pool`` (every one, then again, when ``count`` exceeds it).
+    A split lists its prompts grouped (all circles first, all "left of" first, ...), so its first
+    few would validate on one corner of the category."""
+    if count >= len(pool):
+        return [pool[j % len(pool)] for j in range(count)]
+    return [pool[(j * len(pool)) // count] for j in range(count)]
+
+
 class ShapesTask:
     """Train rows from ``train_split`` (uniform, or a category first and then one of its prompts);
     validation: ``val_per_category`` samples per category from ``val_split``, ``GRID_COLUMNS``
-    seeds per prompt in turn, scored by the verifier."""
+    seeds per prompt in turn, the prompts spread evenly over the category's list, scored by the
+    verifier."""
 
     val_metric = "val/strict_accuracy"  # the headline: exactly what the prompt asks; val/accuracy (GenEval-style) beside it
 
@@ -149,7 +159,8 @@ class ShapesTask:
         rows = []
         for category in CATEGORIES:
             pool = split_prompts(self.val_split, category)
-            rows += [{"raw_prompt": pool[(i // GRID_COLUMNS) % len(pool)], "category": category} for i in range(k)]
+            chosen = spread(pool, -(-k // GRID_COLUMNS))
+            rows += [{"raw_prompt": chosen[i // GRID_COLUMNS], "category": category} for i in range(k)]
         return rows
 
     def evaluate(self, images: np.ndarray, rows: list[dict]) -> tuple[dict[str, float], Grid]:
