@@ -99,7 +99,7 @@ def cmd_export(args) -> None:
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} is a file; pass a new folder for the exported files")
-    written = export(args.source, args.out, model_path=args.model)
+    written = export(args.source, args.out, model_path=args.model, ema=args.ema)
     for kind, path in written.items():
         print(f"{kind}: {path}")
 
@@ -117,12 +117,14 @@ def _load_model(args):
 
     if args.device.startswith("cuda") and not torch_cuda_available():
         raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+    if args.ema and not args.checkpoint:
+        raise ValueError("--ema reads a checkpoint's EMA weights: pass --checkpoint too")
     try:
         model = load_flow_model(args.model, device=args.device)
     except Exception as err:
         raise unreadable_weights(err, f"--model {args.model or '(the embedded model)'}") from err
     try:
-        return load_trained_weights(model, args.checkpoint) if args.checkpoint else model
+        return load_trained_weights(model, args.checkpoint, args.ema) if args.checkpoint else model
     except Exception as err:
         raise unreadable_weights(err, f"--checkpoint {args.checkpoint}") from err
 
@@ -303,10 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write every figure here")
     p.set_defaults(func=cmd_bench)
 
+    ema_help = ("the checkpoint's EMA weights instead of its trained ones (runs with actor.ema_decay, "
+                "whose validation samples with them)")
     p = sub.add_parser("export", help="write a checkpoint as a peft adapter + diffusers LoRA file, or a full diffusers folder")
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run folder (its newest valid checkpoint) or a checkpoint folder")
     p.add_argument("--out", required=True, help="new folder for the exported files")
     p.add_argument("--model", default=None, help="the base model folder, when it has moved since training (full fine-tune)")
+    p.add_argument("--ema", action="store_true", help=ema_help)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plot", help="PNG learning curve (reward, held-out accuracy) from a run's metrics.jsonl")
@@ -332,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.add_argument("--device", default="cpu", help=device_help)
+    p.add_argument("--ema", action="store_true", help=ema_help)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="strict and GenEval-style accuracy on the shapes world, with 95% bootstrap intervals, "
@@ -355,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help=model_help)
     p.add_argument("--checkpoint", default=None, help=checkpoint_help)
     p.add_argument("--device", default="cpu", help=device_help)
+    p.add_argument("--ema", action="store_true", help=ema_help)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve-reward", help="host a registered reward over HTTP for rollout.reward.name=remote")

@@ -109,7 +109,8 @@ class ActorConfig:
     """Passes over each RL batch."""
     ema_decay: Optional[float] = None
     """EMA of the trained weights, updated after every optimizer step, swapped in for validation
-    and kept in checkpoints; None = off (validation sees the live weights)."""
+    and kept in checkpoints (``flowloop eval|generate|export --ema`` use it); None = off
+    (validation sees the live weights)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad ``actor.*`` key; the objective's own section

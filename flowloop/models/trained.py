@@ -23,7 +23,7 @@ import torch
 from flowloop.models.lora import add_lora
 
 __all__ = ["CHECKPOINT_FORMAT", "DESCRIPTION", "MANIFEST", "SHARDS", "TrainedWeights", "checkpoint_problem", "file_sha256",
-           "load_trained_weights", "read_trained_weights"]
+           "load_trained_weights", "read_ema_weights", "read_trained_weights"]
 
 DESCRIPTION = "flowloop.json"
 """The file in a checkpoint folder that describes its weights."""
@@ -138,12 +138,12 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_trained_weights(model, checkpoint: str | Path):
+def load_trained_weights(model, checkpoint: str | Path, ema: bool = False):
     """Put a checkpoint's denoiser weights (full or LoRA) into ``model`` and return it.
 
     ``checkpoint`` is a ``runs/<name>/checkpoints/step_N`` folder (weights in one file, or in the
     shards of several ranks: `read_trained_weights`). For LoRA the adapters are first added with
-    the settings the checkpoint records, then filled in.
+    the settings the checkpoint records, then filled in. ``ema``: its EMA weights instead.
     """
     weights_file = Path(checkpoint) / "model.safetensors"
     if not weights_file.is_file() and not (Path(checkpoint) / SHARDS).is_dir():
@@ -154,7 +154,7 @@ def load_trained_weights(model, checkpoint: str | Path):
         raise ValueError(f"--checkpoint {checkpoint} is not a valid checkpoint: {problem}; pass an intact one "
                          "(a run folder's checkpoints/step_N; its other checkpoints are checked the same way)")
     description = TrainedWeights.read(checkpoint)
-    weights = read_trained_weights(checkpoint)
+    weights = read_trained_weights(checkpoint, ema)
     module: torch.nn.Module = model.trainable_module()
     if description.finetune == "lora":
         add_lora(module, description.lora["rank"], description.lora["alpha"], description.lora["target_modules"])
@@ -165,13 +165,32 @@ def load_trained_weights(model, checkpoint: str | Path):
     return model
 
 
-def read_trained_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+def read_trained_weights(checkpoint: str | Path, ema: bool = False) -> dict[str, torch.Tensor]:
     """A checkpoint's trained weights (the whole denoiser, or its LoRA adapters), keyed by name,
     on the CPU: its ``model.safetensors``, or the weights of its sharded ``dcp/`` folder read and
-    joined in this process (no process group; the optimizer state there is not read)."""
+    joined in this process (no process group; the optimizer state there is not read).
+
+    ``ema``: the EMA of the trainable weights in their place (a run with ``actor.ema_decay``
+    keeps it in ``state.pt``; its validation sampled with it), other weights as they are."""
+    weights = _read_live_weights(Path(checkpoint))
+    return {**weights, **read_ema_weights(checkpoint)} if ema else weights
+
+
+def read_ema_weights(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The EMA weights a checkpoint keeps, keyed as in its ``model.safetensors``; a ValueError
+    naming the checkpoint when it keeps none."""
+    state_file = Path(checkpoint) / "state.pt"
+    state = torch.load(state_file, map_location="cpu", weights_only=True) if state_file.is_file() else {}
+    ema = (state.get("extra") or {}).get("ema")
+    if not ema:
+        raise ValueError(f"--ema: {checkpoint} keeps no EMA weights (its run had actor.ema_decay unset); "
+                         "leave out --ema to use its trained weights")
+    return dict(ema)
+
+
+def _read_live_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    checkpoint = Path(checkpoint)
     if (checkpoint / "model.safetensors").is_file():
         return load_file(str(checkpoint / "model.safetensors"))
     import torch.distributed.checkpoint as dcp

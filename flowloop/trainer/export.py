@@ -63,25 +63,25 @@ def resolve_checkpoint(source: str | Path) -> Path:
     return checkpoint
 
 
-def export(source: str | Path, out: str | Path, model_path: str | Path | None = None) -> dict[str, Path]:
+def export(source: str | Path, out: str | Path, model_path: str | Path | None = None, ema: bool = False) -> dict[str, Path]:
     """Export ``source`` (run or checkpoint folder) into the new folder ``out``; returns what was
     written, by kind (``peft``, ``diffusers_lora``, ``diffusers_model``).
 
     ``model_path`` replaces the base model folder the checkpoint records (a copy of it elsewhere);
-    only a full fine-tune reads it.
+    only a full fine-tune reads it. ``ema``: export the checkpoint's EMA weights.
     """
     checkpoint = resolve_checkpoint(source)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out} is not empty; export into a new folder")
     description = TrainedWeights.read(checkpoint)
-    weights = read_trained_weights(checkpoint)
+    weights = read_trained_weights(checkpoint, ema)
     if description.finetune == "lora":
         written = _export_lora(weights, description, out)
     else:
         base = Path(model_path) if model_path else Path(description.model_path or EMBEDDED_MODEL)
         written = _export_full(weights, description, base, out)
-    (out / DESCRIPTION).write_text(json.dumps({**description.as_dict(), "checkpoint": str(checkpoint.resolve())}, indent=1))
+    (out / DESCRIPTION).write_text(json.dumps({**description.as_dict(), "checkpoint": str(checkpoint.resolve()), "ema": ema}, indent=1))
     return written
 
 

@@ -267,3 +267,30 @@ def test_ema_follows_the_weights_at_decay_0_and_stays_at_the_base_at_1(tiny_mode
     assert loaded.extra["ema"].keys() == base.keys()
     assert all(torch.equal(loaded.extra["ema"][k], reference[k]) for k in base)
     assert any(not torch.equal(loaded.model_state[k], base[k]) for k in base)
+
+
+def test_eval_and_export_with_ema_use_the_checkpoints_ema_weights(tiny_model_dir, tmp_path, capsys):
+    """At decay 1 the EMA stays at the base weights: --ema must give the base model's samples exactly."""
+    from flowloop.cli import main
+
+    run(tiny_config(tiny_model_dir, tmp_path, "trainer.total_steps=2", "actor.ema_decay=1.0"), log=lambda _: None)
+    checkpoint = tmp_path / "shapes" / "checkpoints" / "step_000002"
+    pictures = {}
+    for name, extra in [("base", []), ("ema", ["--checkpoint", str(checkpoint), "--ema"]), ("live", ["--checkpoint", str(checkpoint)])]:
+        out = tmp_path / name
+        assert main(["generate", "a red circle", "--model", str(tiny_model_dir), *extra, "--num", "2", "--steps", "4",
+                     "--upscale", "1", "--out", str(out)]) == 0
+        pictures[name] = [f.read_bytes() for f in sorted(out.glob("*.png"))]
+    assert len(pictures["base"]) == 2 and pictures["ema"] == pictures["base"] and pictures["live"] != pictures["base"]
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "exported"), "--ema"]) == 0
+    exported = load_file(tmp_path / "exported" / "transformer" / "diffusion_pytorch_model.safetensors")
+    base = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == base.keys() and all(torch.equal(exported[k], base[k]) for k in base)
+
+    run(tiny_config(tiny_model_dir, tmp_path / "plain", "trainer.total_steps=1"), log=lambda _: None)
+    plain = tmp_path / "plain" / "shapes" / "checkpoints" / "step_000001"
+    capsys.readouterr()
+    assert main(["eval", "--model", str(tiny_model_dir), "--checkpoint", str(plain), "--ema", "--steps", "2"]) == 2
+    assert "keeps no EMA weights (its run had actor.ema_decay unset); leave out --ema" in capsys.readouterr().err
+    assert main(["eval", "--ema", "--steps", "2"]) == 2
+    assert "--ema reads a checkpoint's EMA weights: pass --checkpoint too" in capsys.readouterr().err
