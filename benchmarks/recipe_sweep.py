@@ -27,6 +27,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from flowloop.plot import read_rows
 from flowloop.tasks.shapes.task import ShapesTask
 
 
@@ -61,7 +62,7 @@ def main() -> None:
     print(f"{'variant':<14} {'steps':>5} {'s/step':>7} {'before':>7} {'best':>7} {'@step':>6} {'last':>7}")
     for name in procs:
         path = Path(args.out) / name / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        rows = read_rows(path) if path.exists() else []  # a run stopped mid-write leaves a torn last line
         val = [(r["step"], r[ShapesTask.val_metric]) for r in rows if r.get(ShapesTask.val_metric) is not None]
         steps = [r for r in rows if r.get("time/step")]
         if not val:

@@ -12,9 +12,10 @@ and ``actor/adv_log_ratio_stepJ`` for every window step J.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
+
+from flowloop.plot import read_rows
 
 FIXED = ("reward/mean", "reward/correct", "reward/surplus_objects", "actor/grad_norm")
 PER_STEP = re.compile(r"actor/(clip_frac|approx_kl|adv_log_ratio)_step\d+$")
@@ -24,7 +25,7 @@ def train_rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"{path} does not exist: give run folders (each holds a metrics.jsonl)")
-    return [row for row in map(json.loads, path.read_text().splitlines()) if "reward/mean" in row]
+    return [row for row in read_rows(path) if "reward/mean" in row]  # a stopped run's torn last line is skipped
 
 
 def mean(rows: list[dict], key: str) -> float:
