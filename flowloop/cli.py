@@ -113,9 +113,11 @@ def cmd_plot(args) -> None:
 
 
 def _load_model(args):
+    import torch
+
     from flowloop.models import load_flow_model, load_trained_weights
 
-    if args.device.startswith("cuda") and not torch_cuda_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
     if args.ema and not args.checkpoint:
         raise ValueError("--ema reads a checkpoint's EMA weights: pass --checkpoint too")
@@ -127,12 +129,6 @@ def _load_model(args):
         return load_trained_weights(model, args.checkpoint, args.ema) if args.checkpoint else model
     except Exception as err:
         raise unreadable_weights(err, f"--checkpoint {args.checkpoint}") from err
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def unreadable_weights(err: Exception, where: str) -> Exception:
