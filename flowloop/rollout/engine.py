@@ -52,6 +52,10 @@ and 25% shorter sampling in `flowloop train`; on an Intel Xeon, 2 threads moved 
 4 threads gained 9% at batch 16 and lost 8% at 64, and 16 threads lost 16% and 52% (slices of
 several threads each form OpenMP teams that outnumber the cores)."""
 
+PHASES = ("prompts", "denoise", "decode", "outputs")
+"""Where a batch's time goes: noise and prompt encoding, the denoising loop, the VAE decode, the
+copies of each row's results to the host."""
+
 NEGATIVE = "negative_"
 """Prefix of the negative (or empty) prompt's conditioning fields, used with CFG."""
 
@@ -110,6 +114,8 @@ class RolloutEngine:
             raise ValueError(f"cpu_shards must be None (auto) or an int >= 1, got {cpu_shards!r}")
         self.model = model
         self.cpu_shards = cpu_shards
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        """Seconds spent in each of `PHASES` over every batch so far (device work included)."""
         self._empty_prompt_ids = encode_chat(model.tokenizer, [{"role": "user", "content": ""}])  # the unconditional prompt
 
     @torch.no_grad()
@@ -177,13 +183,15 @@ class RolloutEngine:
             threads = torch.get_num_threads()
             slices = _slices(len(requests), self._shards(device, threads))
             if len(slices) == 1:
-                outputs = self._sample_rows(requests, params, device)
+                parts = [self._sample_rows(requests, params, device)]
             else:
                 pool = shard_executor(len(slices), max(1, threads // len(slices)))
-                parts = [pool.submit(self._sample_rows, requests[s], params, device) for s in slices]
-                outputs = [out for part in parts for out in part.result()]
+                parts = [f.result() for f in [pool.submit(self._sample_rows, requests[s], params, device) for s in slices]]
         finally:
             module.train(was_training)
+        outputs = [out for part_outputs, _ in parts for out in part_outputs]
+        for name in PHASES:  # slices run side by side: the slowest one is the batch's time
+            self.phase_seconds[name] += max(phases[name] for _, phases in parts)
         metrics = {"generate_time": time.perf_counter() - start, "batch_size": float(len(requests)),
                    "cpu_shards": float(len(slices))}
         for out in outputs:
@@ -201,8 +209,10 @@ class RolloutEngine:
 
     @torch.no_grad()  # again: grad mode is per thread, and shards run on their own threads
     def _sample_rows(self, requests: Sequence[RolloutRequest], params: SamplingParams,
-                     device: torch.device) -> list[DiffusionOutput]:
-        """Steps 2-5 of `sample` for some rows: noise, prompts, denoising, decoding."""
+                     device: torch.device) -> tuple[list[DiffusionOutput], dict[str, float]]:
+        """Steps 2-5 of `sample` for some rows: noise, prompts, denoising, decoding; and the
+        seconds of each of `PHASES`."""
+        clock = _PhaseClock(device)
         # 2. Per request: generator, SDE window, initial noise (in this order).
         generators = [torch.Generator("cpu").manual_seed(_seed(r.sampling_params)) for r in requests]
         windows = [self._window(params, g) for g in generators]
@@ -212,14 +222,16 @@ class RolloutEngine:
         latents = randn_per_sample(starts, (len(requests), *shape)).to(device)  # [B, *shape]
         # 3. Prompts, each distinct one encoded once.
         embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
+        clock.lap("prompts")
         # 4. Denoise, recording each row inside its window.
         latents, records = self._denoise(latents, params, generators, windows, embeds)
+        clock.lap("denoise")
         # 5. Decode.
         images = self.model.decode(latents).float()  # [B, C, H, W] or [B, T, C, H, W]
-        return [
-            _output(r, images[b], embeds, b, records[b] if params.logprobs else None, latents[b])
-            for b, r in enumerate(requests)
-        ]
+        clock.lap("decode")
+        outputs = _outputs(requests, images, embeds, records if params.logprobs else None, latents)
+        clock.lap("outputs")
+        return outputs, clock.seconds
 
     def _window(self, params: SamplingParams, generator: torch.Generator) -> range:
         if params.sampler == "ode":
@@ -260,10 +272,11 @@ class RolloutEngine:
         step_kwargs = {"logprob_mode": params.logprob_mode} if params.sampler == "cps" else {}
         schedule = model_sigmas(self.model, params)  # [N+1] float32
         batch, device = latents.shape[0], latents.device
+        device_schedule = schedule.to(device)  # one copy: a per-step host-to-device copy would wait for the GPU
         records = [_Record() for _ in range(batch)]
         for i in range(params.num_inference_steps):
             t, t_next = schedule[i], schedule[i + 1]
-            v = guided_velocity(self.model, latents, t.to(device).expand(batch), embeds, params.guidance_scale)
+            v = guided_velocity(self.model, latents, device_schedule[i].expand(batch), embeds, params.guidance_scale)
             rows = [b for b in range(batch) if i in windows[b]]
             if len(rows) < batch:
                 ode = ode_step(v, t, t_next, latents)
@@ -334,30 +347,56 @@ def _pad(ids: torch.Tensor, model: FlowModel) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat([ids, filler]), torch.cat([ones, zeros])
 
 
-def _own(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy with its own storage: a view would carry (and pickle) the whole batch."""
-    return tensor.detach().to("cpu", copy=True)
-
-
-def _output(
-    request: RolloutRequest,
-    image: torch.Tensor,
+def _outputs(
+    requests: Sequence[RolloutRequest],
+    images: torch.Tensor,
     embeds: dict[str, torch.Tensor],
-    row: int,
-    record: _Record | None,
-    final_latent: torch.Tensor,
-) -> DiffusionOutput:
-    extra = {name: _own(value[row]) for name, value in embeds.items()}  # [L, D] / [L]
-    log_probs = None
-    if record is not None:
-        extra["final_latents"] = _own(final_latent)  # [...] the clean latent (DiffusionNFT trains on it)
-        log_probs = torch.zeros(0)  # an ODE rollout has no window: W = 0
-        if record.latents:
-            extra["all_latents"] = _own(torch.stack(record.latents))  # [W+1, ...] float32
-            extra["all_timesteps"] = _own(torch.stack(record.timesteps))  # [W]
-            extra["all_next_timesteps"] = _own(torch.stack(record.next_timesteps))  # [W]
-            log_probs = _own(torch.stack(record.log_probs))  # [W]
-    return DiffusionOutput(request.request_id, _own(image), log_probs, extra, {})
+    records: list[_Record] | None,
+    final_latents: torch.Tensor,
+) -> list[DiffusionOutput]:
+    """One `DiffusionOutput` a row, its tensors on the CPU, each with its own storage (a view
+    would carry, and pickle, the whole batch). Each batch tensor crosses to the host in one copy:
+    a copy per row and field would wait on the device once per copy."""
+    images, final_latents = images.cpu(), final_latents.cpu()
+    embeds = {name: value.cpu() for name, value in embeds.items()}
+    if records is not None:
+        windowed = [b for b, record in enumerate(records) if record.latents]
+        stacked = {}
+        fields = {"all_latents": "latents", "all_timesteps": "timesteps", "all_next_timesteps": "next_timesteps",
+                  "log_probs": "log_probs"}
+        for key, attr in fields.items() if windowed else ():
+            parts = [torch.stack(getattr(records[b], attr)) for b in windowed]
+            stacked[key] = dict(zip(windowed, torch.cat(parts).cpu().split([len(part) for part in parts])))
+    outputs = []
+    for b, request in enumerate(requests):
+        extra = {name: value[b].clone() for name, value in embeds.items()}  # [L, D] / [L]
+        log_probs = None
+        if records is not None:
+            extra["final_latents"] = final_latents[b].clone()  # [...] the clean latent (DiffusionNFT trains on it)
+            log_probs = torch.zeros(0)  # an ODE rollout has no window: W = 0
+            if b in stacked.get("log_probs", {}):
+                extra["all_latents"] = stacked["all_latents"][b].clone()  # [W+1, ...] float32
+                extra["all_timesteps"] = stacked["all_timesteps"][b].clone()  # [W]
+                extra["all_next_timesteps"] = stacked["all_next_timesteps"][b].clone()  # [W]
+                log_probs = stacked["log_probs"][b].clone()  # [W]
+        outputs.append(DiffusionOutput(request.request_id, images[b].clone(), log_probs, extra, {}))
+    return outputs
+
+
+class _PhaseClock:
+    """Seconds between laps, device work included (a CUDA device is synchronized at each lap)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def _describe(value) -> str:

@@ -203,6 +203,7 @@ class RolloutServer:
             "mean_queue_time_s": s.queue_time / s.samples if s.samples else 0.0,
             "max_queue_time_s": s.max_queue_time,
             "engine_time_s": s.engine_time,
+            **{f"engine_{phase}_s": seconds for phase, seconds in self.engine.phase_seconds.items()},
             "samples_per_s": s.samples / s.engine_time if s.engine_time else 0.0,
             "paused": float(self._paused),
         }

@@ -25,7 +25,7 @@ import torch
 
 from flowloop.models.base import is_embedding_key
 from flowloop.protocol import Batch
-from flowloop.rollout.engine import guided_velocity
+from flowloop.rollout.engine import PHASES, guided_velocity
 from flowloop.trainer.advantages import compute_advantages
 
 PROMPTS = ["a red cat sitting on a wooden table", "two dogs playing in the snow at night",
@@ -88,7 +88,13 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
     the rollout-correction max; and the last step's batch."""
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
     group.sync_weights(manager, 0)
-    engine_before = group.call_all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
+    engine_keys = {"engine_s": "engine_time_s", **{f"{phase}_s": f"engine_{phase}_s" for phase in PHASES}}
+
+    def engine_seconds():
+        metrics = group.call_all(group.replicas, "metrics")[0]
+        return {name: metrics.get(key, 0.0) for name, key in engine_keys.items()}
+
+    engine_before = engine_seconds()
     rows, out = [], None
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -99,9 +105,10 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
         t2 = time.perf_counter()
         group.sync_weights(manager, step)
         t3 = time.perf_counter()
-        engine = group.call_all(group.replicas, "metrics")[0].get("engine_time_s", 0.0)
+        engine = engine_seconds()
         rows.append({"rollout_s": t1 - t0, "update_s": t2 - t1, "update_compute_s": metrics.get("time/update_compute"),
-                     "sync_s": t3 - t2, "step_s": t3 - t0, "engine_s": engine - engine_before,
+                     "sync_s": t3 - t2, "step_s": t3 - t0,
+                     **{name: engine[name] - engine_before[name] for name in engine_keys},
                      "correction_max": metrics.get("rollout_correction/max")})
         engine_before = engine
         log(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if v is not None))
@@ -189,6 +196,7 @@ def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
         "matmul_tflops": peak_tflops,
         "ceiling": {"seconds": forward_s, "images_per_s": rows / forward_s, "tflops": rollout_flops / forward_s / 1e12},
         "rollout": {"seconds": mean("rollout_s"), "engine_seconds": mean("engine_s"),
+                    "engine_phase_seconds": {phase: mean(f"{phase}_s") for phase in PHASES},
                     "images_per_s": rows / mean("rollout_s"), "tflops": rollout_flops / mean("rollout_s") / 1e12},
         "update": {"seconds": mean("update_s"), "compute_seconds": mean("update_compute_s"),
                    "tflops": update_flops / mean("update_s") / 1e12},
@@ -225,6 +233,8 @@ def format_figures(figures: dict) -> str:
         f = figures[part]
         images = "-" if f.get("images_per_s") is None else f"{f['images_per_s']:.3f}"
         lines.append(f"{part:10} {f['seconds']:9.3f} {images:>9} {f['tflops']:8.2f} {f['mfu']:6.1%}")
+    phases = figures["rollout"]["engine_phase_seconds"]
+    lines.append("rollout engine: " + ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in phases.items()))
     lines.append(f"rollout / ceiling {figures['rollout']['of_ceiling']:.2f}; rollout-vs-replay log-prob gap "
                  f"{figures['rollout_vs_replay_logprob_gap']:.2e}; peak memory "
                  + (f"{figures['peak_memory_gib']:.1f} GiB" if figures['peak_memory_gib'] is not None else "n/a (CPU)"))

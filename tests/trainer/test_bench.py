@@ -20,6 +20,11 @@ def test_bench_reports_the_ceiling_rollout_update_and_step(tiny_model_dir, tmp_p
     assert figures["step"]["seconds"] >= figures["rollout"]["seconds"] + figures["update"]["seconds"] * 0.99
     assert figures["rollout"]["images_per_s"] == figures["rows"] / figures["rollout"]["seconds"]
     assert 0 < figures["rollout"]["of_ceiling"] < 2
+    # The engine's phases split its time: each ran, and together they are most of the engine's
+    # seconds (the rest: validating requests, switching the module to eval mode and back).
+    phases = figures["rollout"]["engine_phase_seconds"]
+    assert set(phases) == {"prompts", "denoise", "decode", "outputs"} and min(phases.values()) > 0
+    assert 0.5 * figures["rollout"]["engine_seconds"] < sum(phases.values()) <= figures["rollout"]["engine_seconds"]
     assert figures["rollout_vs_replay_logprob_gap"] <= 1e-5  # float32 on the CPU: replay reproduces the rollout
 
 
