@@ -38,8 +38,8 @@ class ModelConfig:
     float32 matmuls, e.g. for a float32 model compared bit for bit with another run. It is set
     for the whole process, so in local mode float32 reward models on the GPU use it too. No effect on CPU."""
     compile: bool = False
-    """``torch.compile`` each repeated transformer block of the denoiser, for rollout and update
-    (`flowloop.models.compiled`). Costs compile time at the first batches and again at each new
+    """``torch.compile`` each repeated transformer block of the denoiser, for rollout and update,
+    and an image VAE's decoder for the rollout (`flowloop.models.compiled`). Costs compile time at the first batches and again at each new
     batch shape, so it is off unless asked for."""
     autocast: bool = False
     """Run the denoiser's forward, rollout and update alike, under ``torch.autocast`` in

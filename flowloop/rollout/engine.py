@@ -221,7 +221,7 @@ class RolloutEngine:
                   for r, g in zip(requests, generators)]
         latents = randn_per_sample(starts, (len(requests), *shape)).to(device)  # [B, *shape]
         # 3. Prompts, each distinct one encoded once.
-        embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
+        embeds, host_embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
         clock.lap("prompts")
         # 4. Denoise, recording each row inside its window.
         latents, records = self._denoise(latents, params, generators, windows, embeds)
@@ -229,7 +229,7 @@ class RolloutEngine:
         # 5. Decode.
         images = self.model.decode(latents).float()  # [B, C, H, W] or [B, T, C, H, W]
         clock.lap("decode")
-        outputs = _outputs(requests, images, embeds, records if params.logprobs else None, latents)
+        outputs = _outputs(requests, images, host_embeds, records if params.logprobs else None, latents)
         clock.lap("outputs")
         return outputs, clock.seconds
 
@@ -238,8 +238,12 @@ class RolloutEngine:
             return range(0)
         return sde_window(params.num_inference_steps, params.sde_window_size, params.window_range(), generator)
 
-    def _encode(self, requests: Sequence[RolloutRequest], cfg: bool, device: torch.device) -> dict[str, torch.Tensor]:
-        """Per-row prompt (and, with CFG, negative or empty prompt) embeddings ``[B, L, D]``."""
+    def _encode(self, requests: Sequence[RolloutRequest], cfg: bool,
+                device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+        """Per-row prompt (and, with CFG, negative or empty prompt) embeddings ``[B, L, D]`` on the
+        device; and the same per row on the host, as views of one host copy of each distinct
+        prompt's embeddings (a group's rows share one prompt: copying it once per row would move
+        the group's size times the bytes)."""
         rows = [r.prompt_ids for r in requests]
         if cfg:
             rows += [r.negative_prompt_ids if r.negative_prompt_ids is not None else self._empty_prompt_ids for r in requests]
@@ -249,15 +253,12 @@ class RolloutEngine:
         ids = torch.stack([p[0] for p in padded]).to(device)  # [P, L]
         mask = torch.stack([p[1] for p in padded]).to(device)  # [P, L]
         encoded = self.model.encode_prompt(ids, mask)  # each [P, ...]
-        index = torch.tensor(index, device=encoded["prompt_embeds"].device)
-        rows_embeds = {name: value[index] for name, value in encoded.items()}  # each [B or 2B, ...]
+        on_device = torch.tensor(index, device=encoded["prompt_embeds"].device)
+        rows_embeds = {name: value[on_device] for name, value in encoded.items()}  # each [B or 2B, ...]
+        host = {name: [value[i] for i in index] for name, value in ((n, v.cpu()) for n, v in encoded.items())}
         if not cfg:
-            return rows_embeds
-        b = len(requests)
-        return {
-            **{name: value[:b] for name, value in rows_embeds.items()},
-            **{NEGATIVE + name: value[b:] for name, value in rows_embeds.items()},
-        }
+            return rows_embeds, host
+        return _conditional_and_negative(rows_embeds, len(requests)), _conditional_and_negative(host, len(requests))
 
     def _denoise(
         self,
@@ -326,6 +327,14 @@ def model_sigmas(model: FlowModel, params: SamplingParams) -> torch.Tensor:
     return sigmas(params.num_inference_steps, shift, shift_terminal=rule.shift_terminal)
 
 
+def _conditional_and_negative(embeds: dict, batch: int) -> dict:
+    """``[2B, ...]`` fields (the prompts', then the negative prompts') -> the ``B`` conditional
+    rows under their names and the ``B`` negative ones under ``NEGATIVE`` + name."""
+    out = {name: value[:batch] for name, value in embeds.items()}
+    out.update({NEGATIVE + name: value[batch:] for name, value in embeds.items()})
+    return out
+
+
 def _slices(batch: int, shards: int) -> list[slice]:
     """Contiguous row ranges of at least ``MIN_SHARD_ROWS`` (one range for a small batch)."""
     count = max(1, min(shards, batch // MIN_SHARD_ROWS))
@@ -350,15 +359,15 @@ def _pad(ids: torch.Tensor, model: FlowModel) -> tuple[torch.Tensor, torch.Tenso
 def _outputs(
     requests: Sequence[RolloutRequest],
     images: torch.Tensor,
-    embeds: dict[str, torch.Tensor],
+    embeds: dict[str, list[torch.Tensor]],
     records: list[_Record] | None,
     final_latents: torch.Tensor,
 ) -> list[DiffusionOutput]:
     """One `DiffusionOutput` a row, its tensors on the CPU, each with its own storage (a view
-    would carry, and pickle, the whole batch). Each batch tensor crosses to the host in one copy:
-    a copy per row and field would wait on the device once per copy."""
+    would carry, and pickle, the whole batch). ``embeds``: each row's host embeddings. Each
+    batch tensor crosses to the host in one copy: a copy per row and field would wait on the
+    device once per copy."""
     images, final_latents = images.cpu(), final_latents.cpu()
-    embeds = {name: value.cpu() for name, value in embeds.items()}
     if records is not None:
         windowed = [b for b, record in enumerate(records) if record.latents]
         stacked = {}
