@@ -1,7 +1,7 @@
 """Measure GPU levers before/after in one session: one `flowloop bench` process per setting.
 
     python benchmarks/gpu_levers.py --family sd3 --out $OUT/levers \
-        --lever "eager:" --lever "compile: model.compile=true" --lever "autocast: model.autocast=true"
+        --lever "eager: model.compile=false model.autocast=false" --lever "compile: model.compile=true"
 
 Every lever runs the same real-size model (random weights) with the same shared overrides (512x512,
 10 steps, SDE window 2, the recipe's CFG and LoRA, one prompt x ``--n``); each is a fresh process

@@ -29,7 +29,8 @@ def train_one_step(family, tmp_path, *overrides):
     folder = build(tmp_path / family)
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     cfg = load_config(TrainConfig, [
-        f"model.path={folder}", "model.device=cpu", "model.dtype=float32", f"data.prompt_file={tmp_path / 'prompts.txt'}",
+        f"model.path={folder}", "model.device=cpu", "model.dtype=float32", "model.autocast=false", "model.compile=false",
+        f"data.prompt_file={tmp_path / 'prompts.txt'}",
         "data.prompts_per_step=2", "rollout.n=2", "rollout.pipeline.height=32", "rollout.pipeline.width=32",
         "rollout.pipeline.num_inference_steps=3", "rollout.val_kwargs.pipeline={num_inference_steps: 2}",
         "rollout.algo.sde_window_size=1", "rollout.algo.sde_window_range=[0,2]", "actor.micro_batch_size=2",
