@@ -120,5 +120,5 @@ def test_cpu_shards_give_the_unsliced_samples(model):
     whole = RolloutEngine(model, cpu_shards=1).sample(requests)
     sliced = RolloutEngine(model, cpu_shards=2).sample(requests)
     assert sliced[0].metrics["cpu_shards"] == 2.0
-    for a, b in zip(whole, sliced):
-        assert_same_samples(a, b)
+    for a, b in zip(whole, sliced):  # diffusers' VAE convolutions: a few 1e-7 apart at batch 8 vs 16 on an AMD EPYC
+        assert_same_samples(a, b, pixel_atol=2e-6)

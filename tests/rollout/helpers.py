@@ -28,11 +28,13 @@ def mixed_requests(model, n: int = 16, **params) -> list[RolloutRequest]:
     return [request(model, f"r{k}", PROMPTS[(5 * k) % len(PROMPTS)], seed=1000 + 7 * k, **params) for k in range(n)]
 
 
-def assert_same_samples(a, b) -> None:
+def assert_same_samples(a, b, pixel_atol: float = 0.0) -> None:
     """Two `DiffusionOutput`s of one request are the same sample, bit for bit: log-probs, pixels,
-    latents and SDE window (tests/rollout/test_engine.py::test_batch_invariance)."""
+    latents and SDE window (tests/rollout/test_engine.py::test_batch_invariance). ``pixel_atol``:
+    for a decoder whose kernels round differently at another batch size on some CPUs."""
     assert a.request_id == b.request_id
     assert torch.equal(a.log_probs, b.log_probs)
-    assert torch.equal(a.diffusion_output, b.diffusion_output)
+    assert torch.equal(a.extra_fields["final_latents"], b.extra_fields["final_latents"])
+    torch.testing.assert_close(a.diffusion_output, b.diffusion_output, rtol=0.0, atol=pixel_atol)
     assert torch.equal(a.extra_fields["all_latents"], b.extra_fields["all_latents"])
     assert torch.equal(a.extra_fields["all_timesteps"], b.extra_fields["all_timesteps"])
