@@ -44,8 +44,13 @@ class ModelConfig:
     autocast: bool = False
     """Run the denoiser's forward, rollout and update alike, under ``torch.autocast`` in
     ``dtype`` (bfloat16 or float16 only): the float32 LoRA adapters' matmuls then run in that
-    dtype while the optimizer still steps float32 weights (`flowloop.models.autocast`). Off until
-    measured on a GPU against the float32 adapter branch."""
+    dtype while the optimizer still steps float32 weights (`flowloop.models.autocast`). Off by
+    default (a float32 CPU model gains nothing); the GPU recipes turn it on."""
+    cudnn_attention: bool = True
+    """Let torch's scaled-dot-product attention pick its cuDNN kernel on CUDA. False turns that
+    kernel off for the whole process (``torch.backends.cuda.enable_cudnn_sdp``): FLUX.1's
+    backward pass fails inside it on torch 2.11 (a CUDA illegal memory access), and SDPA then
+    takes its flash or memory-efficient kernel instead."""
     options: Dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the model family's adapter (`flowloop.models.ADAPTERS`), e.g.
     ``{guidance: 3.5}`` for FLUX.1-dev's guidance embedding; an unknown key is an error."""

@@ -67,6 +67,7 @@ class ModelWorker:
             dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
         if str(cfg.model.device).startswith("cuda"):
             torch.backends.cuda.matmul.allow_tf32 = cfg.model.tf32
+        torch.backends.cuda.enable_cudnn_sdp(cfg.model.cudnn_attention)
         # 1. The model, with the trainer's LoRA layout on every copy, so published adapters fit.
         if init_method is not None:
             torch.manual_seed(cfg.trainer.seed)  # LoRA's initial weights: equal on every rank

@@ -2,16 +2,23 @@
 
 import json
 
+import torch
+
 from flowloop.cli import main
 
 
 def test_bench_reports_the_ceiling_rollout_update_and_step(tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
-    code = main(["bench", "--recipe", "shapes_flow_grpo", "--steps", "1", "--json", str(out), f"model.path={tiny_model_dir}",
-                 "rollout.pipeline.height=16", "rollout.pipeline.width=16", "rollout.pipeline.num_inference_steps=4",
-                 "rollout.algo.sde_window_size=2", "rollout.algo.sde_window_range=[0,3]", "data.prompts_per_step=2",
-                 "rollout.n=4", "actor.micro_batch_size=4", "actor.mini_batch_size=8", "rollout.reward.name=jpeg_compressibility"])
-    assert code == 0
+    try:
+        code = main(["bench", "--recipe", "shapes_flow_grpo", "--steps", "1", "--json", str(out), f"model.path={tiny_model_dir}",
+                     "rollout.pipeline.height=16", "rollout.pipeline.width=16", "rollout.pipeline.num_inference_steps=4",
+                     "rollout.algo.sde_window_size=2", "rollout.algo.sde_window_range=[0,3]", "data.prompts_per_step=2",
+                     "rollout.n=4", "actor.micro_batch_size=4", "actor.mini_batch_size=8", "rollout.reward.name=jpeg_compressibility",
+                     "model.cudnn_attention=false"])
+        assert code == 0
+        assert not torch.backends.cuda.cudnn_sdp_enabled()  # model.cudnn_attention=false turns the kernel off process-wide
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
     figures = json.loads(out.read_text())
     assert figures["rows"] == 8 and figures["steps_timed"] == 1 and figures["matmul_tflops"] > 0
     for part in ("ceiling", "rollout", "update", "step"):
