@@ -178,7 +178,7 @@ def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
         forward_s, forward_flops = bare_forward(worker.model, out, cfg, device)
         update_flops = estimated_update_flops(worker.actor, out, forward_flops, cfg)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        dtype = next(worker.model.trainable_module().parameters()).dtype
+        dtype = getattr(torch, cfg.model.dtype)  # not a parameter's: Wan keeps some of its weights float32
         peak_tflops = matmul_tflops(device, dtype)
     finally:
         manager.shutdown()
