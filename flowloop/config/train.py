@@ -37,10 +37,13 @@ class ModelConfig:
     rollout-vs-replay gap stays what bf16 makes it (docs/results.md, "GPU levers"). False: full
     float32 matmuls, e.g. for a float32 model compared bit for bit with another run. It is set
     for the whole process, so in local mode float32 reward models on the GPU use it too. No effect on CPU."""
-    compile: bool = False
-    """``torch.compile`` each repeated transformer block of the denoiser, for rollout and update,
-    and an image VAE's decoder for the rollout (`flowloop.models.compiled`). Costs compile time at the first batches and again at each new
-    batch shape, so it is off unless asked for."""
+    compile: Any = False
+    """``true``: ``torch.compile`` each repeated transformer block of the denoiser, for rollout and
+    update, and an image VAE's decoder for the rollout (`flowloop.models.compiled`). ``rollout``:
+    the same, but the blocks run compiled only in calls without gradients (the rollout, a KL
+    reference forward) and eager in the update, for a model whose update gets slower compiled.
+    Costs compile time at the first batches and again at each new batch shape, so it is off
+    unless asked for."""
     autocast: bool = False
     """Run the denoiser's forward, rollout and update alike, under ``torch.autocast`` in
     ``dtype`` (bfloat16 or float16 only): the float32 LoRA adapters' matmuls then run in that
@@ -160,6 +163,8 @@ class TrainConfig:
                 raise ValueError("actor.ema_decay is not offered with rollout.max_staleness > 0 (validation samples on the "
                                  "replica's own copy of the weights); unset one of them")
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
+        if not any(self.model.compile is mode for mode in (False, True)) and self.model.compile != "rollout":
+            raise ValueError(f"model.compile must be true, false or rollout, got {self.model.compile!r}")
         if self.model.autocast and self.model.dtype == "float32":
             raise ValueError("model.autocast needs model.dtype bfloat16 or float16 (a float32 model gains nothing); "
                              "set model.autocast=false or model.dtype=bfloat16")

@@ -9,17 +9,25 @@ An image VAE's decoder (a diffusers ``AutoencoderKL``: SD3, FLUX) is compiled wh
 decodes every sample once, and eager it costs a tenth of the denoising loop's time at 512x512
 (measured with benchmarks/vae_decode.py). It has no gradients and no adapters, so its graph is
 small; video VAEs decode frame by frame with a Python-side cache and stay eager.
+
+``rollout_only`` compiles the blocks for calls made without gradients (the rollout, the bare
+forward, a KL reference forward) and leaves the update's backward-carrying calls eager: a model
+whose checkpointed update gets slower compiled (Qwen-Image) can still sample at the compiled
+speed. Those graphs specialize on each batch shape (``dynamic=False``): a rollout's batches come
+in few shapes, and with dynamic shapes Qwen-Image's compiled loop ran no faster than eager.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
-def compile_repeated_blocks(module: nn.Module) -> int:
+def compile_repeated_blocks(module: nn.Module, rollout_only: bool = False) -> int:
     """Compile, in place, every block of each ``nn.ModuleList`` of ``module`` that holds two or
     more blocks of one class (the classes in diffusers' ``_repeated_blocks`` when the model names
-    them); returns how many blocks were compiled. ValueError when there are none."""
+    them), for every call or (``rollout_only``) for calls without gradients; returns how many
+    blocks were compiled. ValueError when there are none."""
     named = set(getattr(module, "_repeated_blocks", None) or ())
     compiled = 0
     for stack in module.modules():
@@ -29,12 +37,23 @@ def compile_repeated_blocks(module: nn.Module) -> int:
         if len(kinds) != 1 or (named and next(iter(kinds)).__name__ not in named):
             continue
         for block in stack:
-            block.compile()
+            _compile_without_grad(block) if rollout_only else block.compile()
             compiled += 1
     if not compiled:
         raise ValueError(f"model.compile: {type(module).__name__} has no stack of repeated blocks to compile; "
                          "set model.compile=false")
     return compiled
+
+
+def _compile_without_grad(block: nn.Module) -> None:
+    """Route ``block``'s calls made with gradients off to a compiled copy of its forward."""
+    eager = block.forward
+    compiled = torch.compile(eager, dynamic=False)
+
+    def forward(*args, **kwargs):
+        return eager(*args, **kwargs) if torch.is_grad_enabled() else compiled(*args, **kwargs)
+
+    block.forward = forward
 
 
 def compile_image_decoder(model) -> bool:

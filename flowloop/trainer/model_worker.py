@@ -89,7 +89,7 @@ class ModelWorker:
                 autocast_forward(module, cfg.model.dtype)
         if cfg.model.compile:  # after LoRA and sharding: the compiled blocks hold the adapters
             for module in dict.fromkeys(m.trainable_module() for m in (self.model, self.sampler)):
-                compile_repeated_blocks(module)
+                compile_repeated_blocks(module, rollout_only=cfg.model.compile == "rollout")
             if "rollout" in roles:
                 compile_image_decoder(self.sampler)
         self.server = None

@@ -44,3 +44,31 @@ def test_only_an_image_autoencoder_decoder_is_compiled(tiny_model):
 def test_a_model_without_repeated_blocks_is_an_error_naming_the_key():
     with pytest.raises(ValueError, match="set model.compile=false"):
         compile_repeated_blocks(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])))
+
+
+def test_rollout_only_compiles_the_calls_without_gradients():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    stack = nn.Sequential(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    blocks = stack[0]
+    eager = [block.forward for block in blocks]
+    assert compile_repeated_blocks(stack, rollout_only=True) == 2
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        compiled_out = blocks[1](blocks[0](x))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the no-grad call went through dynamo
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    trained = blocks[1](blocks[0](x))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the call with gradients stayed eager
+    trained.sum().backward()
+    assert blocks[0].weight.grad is not None
+    torch.testing.assert_close(compiled_out, eager[1](eager[0](x)).detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_model_compile_takes_true_false_or_rollout():
+    from flowloop.config import load_config
+    from flowloop.config.train import TrainConfig
+
+    assert load_config(TrainConfig, ["model.compile=rollout"]).model.compile == "rollout"
+    with pytest.raises(ValueError, match="model.compile must be true, false or rollout, got 'fast'"):
+        load_config(TrainConfig, ["model.compile=fast"])
