@@ -14,7 +14,9 @@ small; video VAEs decode frame by frame with a Python-side cache and stay eager.
 forward, a KL reference forward) and leaves the update's backward-carrying calls eager: a model
 whose checkpointed update gets slower compiled (Qwen-Image) can still sample at the compiled
 speed. Those graphs specialize on each batch shape (``dynamic=False``): a rollout's batches come
-in few shapes, and with dynamic shapes Qwen-Image's compiled loop ran no faster than eager.
+in few shapes, and with dynamic shapes Qwen-Image's compiled loop ran no faster than eager. Each
+new shape (batch rows, text length) compiles once; past torch's ``recompile_limit`` of shapes a
+block falls back to eager, so prompts of many different lengths lose the speed-up.
 """
 
 from __future__ import annotations
