@@ -7,7 +7,8 @@ In one run, on one device, with a run's own config (its recipe's sampler, CFG, L
    timed ones: images/s of a step, of its rollout and its update; the update's
    ``rollout_correction/max`` is the gap between the rollout's and the replay's log-probs;
 2. the ceiling: the bare denoiser forward loop at the rollout's rows (``num_inference_steps``
-   guided velocities on the step's own latents and embeddings; no sampler, no decode, no
+   guided velocities on the step's own latents and embeddings, in batches of the rollout
+   server's ``max_batch_size`` samples as the rollout runs them; no sampler, no decode, no
    server), timed the same way;
 3. FLOPs counted by torch's ``FlopCounterMode`` on one guided velocity at the rollout's rows
    (the update's estimated from it: `estimated_update_flops`), turned into achieved TFLOP/s,
@@ -117,15 +118,22 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
 
 def bare_forward(model, out: Batch, cfg, device: torch.device, repeats: int = 2) -> tuple[float, int]:
     """Seconds of ``num_inference_steps`` guided velocities on the batch's first recorded latents
-    (the best of ``repeats`` after a warm-up), and the FLOPs of one of them."""
+    (the best of ``repeats`` after a warm-up), and the FLOPs of one of them over every row. The
+    rows go through in batches of ``rollout.server.max_batch_size`` samples, the largest batch the
+    rollout's server forms: a bigger one would time a shape the rollout never runs (with Qwen-Image's
+    8, its compiled loop beat a ceiling timed on all 16 samples at once)."""
     latents = (out["all_latents"][:, 0] if "all_latents" in out else out["final_latents"]).to(device)
     sigma = torch.full((len(out),), 0.5, device=device)
     embeds = {k: out[k].to(device) for k in out.keys() if is_embedding_key(k)}
     guidance = cfg.rollout.pipeline.guidance_scale
     steps = cfg.rollout.pipeline.num_inference_steps
+    size = cfg.rollout.server.max_batch_size
+    batches = [(latents[i:i + size], sigma[i:i + size], {k: v[i:i + size] for k, v in embeds.items()})
+               for i in range(0, len(out), size)]
 
     def forward():
-        return guided_velocity(model, latents, sigma, embeds, guidance)
+        for batch_latents, batch_sigma, batch_embeds in batches:
+            guided_velocity(model, batch_latents, batch_sigma, batch_embeds, guidance)
 
     with torch.no_grad():
         flops = count_flops(forward)

@@ -39,3 +39,23 @@ def test_bench_in_ray_mode_is_refused_naming_the_setting(tiny_model_dir, capsys)
     code = main(["bench", "--steps", "1", f"model.path={tiny_model_dir}", "scale.mode=ray"])
     assert code != 0
     assert "scale.mode='ray'" in capsys.readouterr().err
+
+
+def test_the_ceiling_runs_in_the_rollout_servers_batches(tiny_model):
+    from flowloop.config import load_config
+    from flowloop.config.train import TrainConfig
+    from flowloop.protocol import Batch
+    from flowloop.trainer.bench import bare_forward
+
+    cfg = load_config(TrainConfig, ["rollout.server.max_batch_size=3", "rollout.pipeline.num_inference_steps=2"])
+    ids = tiny_model.tokenizer(["a red circle"] * 8, padding="max_length", max_length=8, return_tensors="pt")
+    embeds = tiny_model.encode_prompt(ids["input_ids"], ids["attention_mask"])
+    out = Batch.from_dict({"final_latents": torch.randn(8, *tiny_model.latent_shape(4, 4)), **embeds})
+    rows = []
+    hook = tiny_model.trainable_module().register_forward_pre_hook(lambda module, args: rows.append(len(args[0])))
+    try:
+        seconds, flops = bare_forward(tiny_model, out, cfg, torch.device("cpu"), repeats=1)
+    finally:
+        hook.remove()
+    assert seconds > 0 and flops > 0
+    assert rows == [3, 3, 2] * (1 + 1 + 2)  # FLOPs counted, warm-up, then one timed loop of 2 steps
