@@ -163,7 +163,7 @@ class TrainConfig:
                 raise ValueError("actor.ema_decay is not offered with rollout.max_staleness > 0 (validation samples on the "
                                  "replica's own copy of the weights); unset one of them")
         _choice("model.dtype", self.model.dtype, MODEL_DTYPES)
-        if not any(self.model.compile is mode for mode in (False, True)) and self.model.compile != "rollout":
+        if not isinstance(self.model.compile, bool) and self.model.compile != "rollout":
             raise ValueError(f"model.compile must be true, false or rollout, got {self.model.compile!r}")
         if self.model.autocast and self.model.dtype == "float32":
             raise ValueError("model.autocast needs model.dtype bfloat16 or float16 (a float32 model gains nothing); "
