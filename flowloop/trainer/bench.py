@@ -122,18 +122,19 @@ def bare_forward(model, out: Batch, cfg, device: torch.device, repeats: int = 2)
     rows go through in batches of ``rollout.server.max_batch_size`` samples, the largest batch the
     rollout's server forms: a bigger one would time a shape the rollout never runs (with Qwen-Image's
     8, its compiled loop beat a ceiling timed on all 16 samples at once)."""
-    latents = (out["all_latents"][:, 0] if "all_latents" in out else out["final_latents"]).to(device)
-    sigma = torch.full((len(out),), 0.5, device=device)
-    embeds = {k: out[k].to(device) for k in out.keys() if is_embedding_key(k)}
     guidance = cfg.rollout.pipeline.guidance_scale
     steps = cfg.rollout.pipeline.num_inference_steps
-    size = cfg.rollout.server.max_batch_size
-    batches = [(latents[i:i + size], sigma[i:i + size], {k: v[i:i + size] for k, v in embeds.items()})
-               for i in range(0, len(out), size)]
+
+    def inputs(part: Batch) -> tuple:
+        latents = part["all_latents"][:, 0] if "all_latents" in part else part["final_latents"]
+        embeds = {k: part[k].to(device) for k in part.keys() if is_embedding_key(k)}
+        return latents.to(device), torch.full((len(part),), 0.5, device=device), embeds
+
+    batches = [inputs(part) for part in out.split(cfg.rollout.server.max_batch_size)]
 
     def forward():
-        for batch_latents, batch_sigma, batch_embeds in batches:
-            guided_velocity(model, batch_latents, batch_sigma, batch_embeds, guidance)
+        for latents, sigma, embeds in batches:
+            guided_velocity(model, latents, sigma, embeds, guidance)
 
     with torch.no_grad():
         flops = count_flops(forward)

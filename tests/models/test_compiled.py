@@ -54,9 +54,10 @@ def test_rollout_only_compiles_the_calls_without_gradients():
     eager = [block.forward for block in blocks]
     assert compile_repeated_blocks(stack, rollout_only=True) == 2
     x = torch.randn(3, 4)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with torch.no_grad():
         compiled_out = blocks[1](blocks[0](x))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the no-grad call went through dynamo
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # the no-grad call went through dynamo
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     trained = blocks[1](blocks[0](x))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the call with gradients stayed eager
