@@ -47,7 +47,7 @@ def main() -> None:
     for spec in args.variant:
         name, _, overrides = spec.partition(":")
         name = name.strip()
-        cmd = [sys.executable, "-m", "flowloop.cli", "train", *shlex.split(args.base), *shlex.split(overrides),
+        cmd = [sys.executable, "-m", "flowloop.cli", "train", *options_first(shlex.split(args.base) + shlex.split(overrides)),
                f"trainer.run_root={args.out}", f"trainer.run_name={name}", "trainer.num_threads=2"]
         log = open(Path(args.out).mkdir(parents=True, exist_ok=True) or Path(args.out) / f"{name}.log", "w")
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log)
@@ -73,6 +73,21 @@ def main() -> None:
         print(f"{name:<14} {len(steps):>5} {per_step:>7.2f} {val[0][1]:>7.1%} {best[1]:>7.1%} {best[0]:>6} {val[-1][1]:>7.1%}")
     if args.eval:
         evaluate_checkpoints(Path(args.out), list(procs), args.eval_steps, args.eval_device, args.eval_at)
+
+
+def options_first(tokens: list[str]) -> list[str]:
+    """``--option value`` pairs moved before the ``key=value`` overrides, so a variant can name its
+    own ``--recipe`` after the shared overrides (argparse takes no option after the positionals)."""
+    options, overrides, i = [], [], 0
+    while i < len(tokens):
+        if tokens[i].startswith("--"):
+            takes_value = "=" not in tokens[i] and i + 1 < len(tokens) and not tokens[i + 1].startswith("--")
+            options += tokens[i:i + 1 + takes_value]
+            i += 1 + takes_value
+        else:
+            overrides.append(tokens[i])
+            i += 1
+    return options + overrides
 
 
 def evaluate_checkpoints(out: Path, names: list[str], step_counts: list[int], device: str = "cpu",
