@@ -76,12 +76,14 @@ def main() -> None:
 
 
 def options_first(tokens: list[str]) -> list[str]:
-    """``--option value`` pairs moved before the ``key=value`` overrides, so a variant can name its
-    own ``--recipe`` after the shared overrides (argparse takes no option after the positionals)."""
+    """``--option [value]`` moved before the ``key=value`` overrides, so a variant can name its own
+    ``--recipe`` after the shared overrides (argparse takes no option after the positionals). A
+    token with ``=`` is always an override, never an option's value."""
     options, overrides, i = [], [], 0
     while i < len(tokens):
         if tokens[i].startswith("--"):
-            takes_value = "=" not in tokens[i] and i + 1 < len(tokens) and not tokens[i + 1].startswith("--")
+            following = tokens[i + 1] if i + 1 < len(tokens) else "--"
+            takes_value = "=" not in tokens[i] and not following.startswith("--") and "=" not in following
             options += tokens[i:i + 1 + takes_value]
             i += 1 + takes_value
         else:

@@ -14,6 +14,10 @@ def test_a_variants_recipe_goes_before_the_shared_overrides():
         "--recipe", "shapes_flow_grpo", "--recipe=x", "model.device=cuda", "model.path=runs/base", "trainer.seed=1"]
 
 
+def test_a_flag_without_value_keeps_the_override_after_it():
+    assert recipe_sweep.options_first(["--debug", "trainer.seed=0", "--recipe", "x"]) == ["--debug", "--recipe", "x", "trainer.seed=0"]
+
+
 def test_the_reordered_line_parses_as_flowloop_train_would():
     from flowloop.cli import build_parser
 
