@@ -56,7 +56,10 @@ def load_config(schema: type[T], overrides: list[str] = (), yaml_files: list[str
     except ConfigKeyError as err:
         raise ValueError(f"unknown config key {err.full_key or err.key!r}; known keys: {', '.join(_field_names(schema))}") from None
     except ValidationError as err:
-        raise ValueError(f"config key {err.full_key!r}: {err.msg.splitlines()[0]}") from None
+        hint = ""
+        if ":" in str(err.full_key).rsplit(".", 1)[-1]:  # `{a:2}` parses as the key "a:2" with no value
+            hint = "; in a mapping put a space after each colon, e.g. 'data.category_weights={color_attr: 2}' (quoted for the shell)"
+        raise ValueError(f"config key {err.full_key!r}: {err.msg.splitlines()[0]}{hint}") from None
     except OmegaConfBaseException as err:
         raise ValueError(f"bad config: {err}") from None
     check = getattr(result, "validate", None)

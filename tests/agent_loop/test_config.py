@@ -43,3 +43,12 @@ def test_overrides_reach_the_sampling_params():
 def test_bad_values_are_explained(override, error):
     with pytest.raises(ValueError, match=error):
         load_config(RolloutConfig, [override])
+
+
+def test_mapping_without_spaces_after_colons_gets_a_hint():
+    from flowloop.config.train import TrainConfig
+
+    with pytest.raises(ValueError, match=r"color_attr:2.*space after each colon"):
+        load_config(TrainConfig, ["data.category_weights={color_attr:2,position:2}"])
+    config = load_config(TrainConfig, ["data.category_weights={color_attr: 2, position: 2}"])
+    assert config.data.category_weights == {"color_attr": 2.0, "position": 2.0}
