@@ -1,12 +1,16 @@
 """Compare how runs trained, from their ``metrics.jsonl`` alone: the training reward's curve and the
 update's per-window-step statistics, averaged over the first and the last ``--window`` steps.
 
-    python benchmarks/run_diagnostics.py runs/fg/fg0 runs/fg/fg1 runs/nft/t4cos --window 20
+    python benchmarks/run_diagnostics.py runs/fg/fg0 runs/fg/fg1 runs/nft/t4cos --window 20 [--plot runs.png]
 
 One row per run and metric: mean over steps 1..window, mean over the run's last ``window`` steps.
 Metrics: ``reward/mean``, ``reward/correct``, ``reward/surplus_objects``, ``actor/grad_norm`` and,
 where the objective logs them (FlowGRPO), ``actor/clip_frac_stepJ``, ``actor/approx_kl_stepJ``
 and ``actor/adv_log_ratio_stepJ`` for every window step J.
+
+``--plot PNG`` draws the runs side by side: the training samples' exact-match share (a
+``--window``-step trailing mean), the in-run held-out validation, and, for runs that log it, the
+approximate KL between the updated and the sampling policy per window step (log scale).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import argparse
 import re
 from pathlib import Path
 
-from flowloop.plot import read_rows
+from flowloop.plot import read_rows, trailing_mean
 
 FIXED = ("reward/mean", "reward/correct", "reward/surplus_objects", "actor/grad_norm")
 PER_STEP = re.compile(r"actor/(clip_frac|approx_kl|adv_log_ratio)_step\d+$")
@@ -37,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--window", type=int, default=20, help="steps averaged at each end of the run")
+    parser.add_argument("--plot", type=Path, help="also draw the runs' curves into this PNG")
     args = parser.parse_args()
     print(f"| run | metric | steps 1-{args.window} | last {args.window} steps |")
     print("| --- | --- | ---: | ---: |")
@@ -47,6 +52,40 @@ def main() -> None:
         for key in keys:
             if any(key in row for row in rows):
                 print(f"| {run.name} ({len(rows)} steps) | {key} | {mean(first, key):.4g} | {mean(last, key):.4g} |")
+    if args.plot:
+        plot_runs(args.runs, args.plot, args.window)
+        print(f"plot: {args.plot}")
+
+
+def plot_runs(runs: list[Path], out: Path, window: int) -> None:
+    """Three panels, one line per run (per window step in the last): training exact-match share,
+    held-out validation, approximate KL of the update."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (train_ax, val_ax, kl_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for run in runs:
+        rows = train_rows(run)
+        steps = [row["step"] for row in rows if "reward/correct" in row]
+        train_ax.plot(steps, trailing_mean([row["reward/correct"] for row in rows if "reward/correct" in row], window), label=run.name)
+        val = [(row["step"], row["val/strict_accuracy"]) for row in read_rows(run / "metrics.jsonl") if "val/strict_accuracy" in row]
+        val_ax.plot([s for s, _ in val], [100 * v for _, v in val], marker="o", label=run.name)
+        for key in sorted({k for row in rows for k in row if k.startswith("actor/approx_kl_step")}):
+            points = [(row["step"], row[key]) for row in rows if row.get(key, 0) > 0]
+            kl_ax.plot([s for s, _ in points], trailing_mean([v for _, v in points], window), label=f"{run.name} {key.rsplit('_', 1)[1]}")
+    train_ax.set(title=f"training samples drawn exactly right ({window}-step mean)", xlabel="RL step", ylabel="share")
+    val_ax.set(title="in-run held-out validation, strict", xlabel="RL step", ylabel="%")
+    kl_ax.set(title="approximate KL, updated vs sampling policy", xlabel="RL step", yscale="log")
+    for ax in (train_ax, val_ax, kl_ax):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
