@@ -25,11 +25,16 @@ FIXED = ("reward/mean", "reward/correct", "reward/surplus_objects", "actor/grad_
 PER_STEP = re.compile(r"actor/(clip_frac|approx_kl|adv_log_ratio)_step\d+$")
 
 
-def train_rows(run: Path) -> list[dict]:
+def metric_rows(run: Path) -> list[dict]:
+    """Every record of the run's ``metrics.jsonl`` (a stopped run's torn last line is skipped)."""
     path = run / "metrics.jsonl"
     if not path.exists():
         raise SystemExit(f"{path} does not exist: give run folders (each holds a metrics.jsonl)")
-    return [row for row in read_rows(path) if "reward/mean" in row]  # a stopped run's torn last line is skipped
+    return read_rows(path)
+
+
+def train_rows(run: Path) -> list[dict]:
+    return [row for row in metric_rows(run) if "reward/mean" in row]
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -67,14 +72,19 @@ def plot_runs(runs: list[Path], out: Path, window: int) -> None:
 
     fig, (train_ax, val_ax, kl_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
     for run in runs:
-        rows = train_rows(run)
-        steps = [row["step"] for row in rows if "reward/correct" in row]
-        train_ax.plot(steps, trailing_mean([row["reward/correct"] for row in rows if "reward/correct" in row], window), label=run.name)
-        val = [(row["step"], row["val/strict_accuracy"]) for row in read_rows(run / "metrics.jsonl") if "val/strict_accuracy" in row]
-        val_ax.plot([s for s, _ in val], [100 * v for _, v in val], marker="o", label=run.name)
+        rows = metric_rows(run)
+
+        def series(key: str, positive: bool = False) -> tuple[list[int], list[float]]:
+            points = [(row["step"], row[key]) for row in rows if key in row and (row[key] > 0 or not positive)]
+            return [step for step, _ in points], [value for _, value in points]
+
+        steps, correct = series("reward/correct")
+        train_ax.plot(steps, trailing_mean(correct, window), label=run.name)
+        steps, strict = series("val/strict_accuracy")
+        val_ax.plot(steps, [100 * v for v in strict], marker="o", label=run.name)
         for key in sorted({k for row in rows for k in row if k.startswith("actor/approx_kl_step")}):
-            points = [(row["step"], row[key]) for row in rows if row.get(key, 0) > 0]
-            kl_ax.plot([s for s, _ in points], trailing_mean([v for _, v in points], window), label=f"{run.name} {key.rsplit('_', 1)[1]}")
+            steps, kl = series(key, positive=True)  # a log axis: steps whose KL is 0 are left out
+            kl_ax.plot(steps, trailing_mean(kl, window), label=f"{run.name} {key.rsplit('_', 1)[1]}")
     train_ax.set(title=f"training samples drawn exactly right ({window}-step mean)", xlabel="RL step", ylabel="share")
     val_ax.set(title="in-run held-out validation, strict", xlabel="RL step", ylabel="%")
     kl_ax.set(title="approximate KL, updated vs sampling policy", xlabel="RL step", yscale="log")
