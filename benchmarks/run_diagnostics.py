@@ -33,8 +33,9 @@ def metric_rows(run: Path) -> list[dict]:
     return read_rows(path)
 
 
-def train_rows(run: Path) -> list[dict]:
-    return [row for row in metric_rows(run) if "reward/mean" in row]
+def train_rows(rows: list[dict]) -> list[dict]:
+    """The training steps' records (validation records carry no ``reward/mean``)."""
+    return [row for row in rows if "reward/mean" in row]
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -50,19 +51,20 @@ def main() -> None:
     args = parser.parse_args()
     print(f"| run | metric | steps 1-{args.window} | last {args.window} steps |")
     print("| --- | --- | ---: | ---: |")
-    for run in args.runs:
-        rows = train_rows(run)
+    records = {run: metric_rows(run) for run in args.runs}
+    for run, all_rows in records.items():
+        rows = train_rows(all_rows)
         keys = [*FIXED, *sorted({k for row in rows for k in row if PER_STEP.match(k)})]
         first, last = rows[:args.window], rows[-args.window:]
         for key in keys:
             if any(key in row for row in rows):
                 print(f"| {run.name} ({len(rows)} steps) | {key} | {mean(first, key):.4g} | {mean(last, key):.4g} |")
     if args.plot:
-        plot_runs(args.runs, args.plot, args.window)
+        plot_runs(records, args.plot, args.window)
         print(f"plot: {args.plot}")
 
 
-def plot_runs(runs: list[Path], out: Path, window: int) -> None:
+def plot_runs(records: dict[Path, list[dict]], out: Path, window: int) -> None:
     """Three panels, one line per run (per window step in the last): training exact-match share,
     held-out validation, approximate KL of the update."""
     import matplotlib
@@ -71,8 +73,7 @@ def plot_runs(runs: list[Path], out: Path, window: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (train_ax, val_ax, kl_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for run in runs:
-        rows = metric_rows(run)
+    for run, rows in records.items():
 
         def series(key: str, positive: bool = False) -> tuple[list[int], list[float]]:
             points = [(row["step"], row[key]) for row in rows if key in row and (row[key] > 0 or not positive)]

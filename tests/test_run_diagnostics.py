@@ -44,4 +44,4 @@ def test_a_folder_without_metrics_is_named(tmp_path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(SystemExit, match="metrics.jsonl does not exist"):
-        module.train_rows(tmp_path)
+        module.metric_rows(tmp_path)

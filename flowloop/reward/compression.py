@@ -28,6 +28,18 @@ from flowloop.reward.registry import register_reward
 JPEG_QUALITY = 95
 """PIL quality setting of both papers' code."""
 
+_encoders: dict[int, ThreadPoolExecutor] = {}
+"""One encoding pool per process id (a forked child does not inherit its parent's threads)."""
+
+
+def _encoder_pool() -> ThreadPoolExecutor:
+    """PIL releases the GIL while it encodes, so a batch's frames encode on every core at once;
+    the pool is made once per process, not once per reward call."""
+    pid = os.getpid()
+    if pid not in _encoders:
+        _encoders[pid] = ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, 16), thread_name_prefix="flowloop-jpeg")
+    return _encoders[pid]
+
 
 @register_reward("jpeg_compressibility")
 def jpeg_compressibility(images, prompts, metadata, *, scale_kb: float = 500.0):
@@ -55,9 +67,7 @@ def jpeg_sizes_kb(images: torch.Tensor) -> list[float]:
     pixels = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
     frames = pixels.permute(0, 1, 3, 4, 2).numpy()  # [B, T, H, W, C]
     flat = frames.reshape(-1, *frames.shape[2:])
-    # PIL releases the GIL while it encodes, so a batch's frames encode on every core at once.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(flat), os.cpu_count() or 1, 16))) as pool:
-        sizes = np.array(list(pool.map(_jpeg_bytes, flat)), dtype=np.float64).reshape(frames.shape[:2])
+    sizes = np.array(list(_encoder_pool().map(_jpeg_bytes, flat)), dtype=np.float64).reshape(frames.shape[:2])
     return [float(np.mean(video)) / 1000 for video in sizes]
 
 
