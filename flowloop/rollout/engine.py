@@ -241,9 +241,9 @@ class RolloutEngine:
     def _encode(self, requests: Sequence[RolloutRequest], cfg: bool,
                 device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
         """Per-row prompt (and, with CFG, negative or empty prompt) embeddings ``[B, L, D]`` on the
-        device; and the same per row on the host, as views of one host copy of each distinct
-        prompt's embeddings (a group's rows share one prompt: copying it once per row would move
-        the group's size times the bytes)."""
+        device; and the same per row on the host, where the rows of one prompt share one tensor
+        (a group's rows share one prompt: a copy per row would move and store the group's size
+        times the bytes, and a batch pickled whole carries each shared tensor once)."""
         rows = [r.prompt_ids for r in requests]
         if cfg:
             rows += [r.negative_prompt_ids if r.negative_prompt_ids is not None else self._empty_prompt_ids for r in requests]
@@ -255,7 +255,10 @@ class RolloutEngine:
         encoded = self.model.encode_prompt(ids, mask)  # each [P, ...]
         on_device = torch.tensor(index, device=encoded["prompt_embeds"].device)
         rows_embeds = {name: value[on_device] for name, value in encoded.items()}  # each [B or 2B, ...]
-        host = {name: [value[i] for i in index] for name, value in ((n, v.cpu()) for n, v in encoded.items())}
+        host = {}
+        for name, value in encoded.items():
+            distinct_rows = [row.clone() for row in value.cpu()]  # each its own storage, not a view of [P, ...]
+            host[name] = [distinct_rows[i] for i in index]
         if not cfg:
             return rows_embeds, host
         return _conditional_and_negative(rows_embeds, len(requests)), _conditional_and_negative(host, len(requests))
@@ -364,7 +367,7 @@ def _outputs(
     final_latents: torch.Tensor,
 ) -> list[DiffusionOutput]:
     """One `DiffusionOutput` a row, its tensors on the CPU, each with its own storage (a view
-    would carry, and pickle, the whole batch). ``embeds``: each row's host embeddings. Each
+    would carry, and pickle, the whole batch). ``embeds``: each row's host embeddings (`_encode`). Each
     batch tensor crosses to the host in one copy: a copy per row and field would wait on the
     device once per copy."""
     images, final_latents = images.cpu(), final_latents.cpu()
@@ -378,7 +381,7 @@ def _outputs(
             stacked[key] = dict(zip(windowed, torch.cat(parts).cpu().split([len(part) for part in parts])))
     outputs = []
     for b, request in enumerate(requests):
-        extra = {name: value[b].clone() for name, value in embeds.items()}  # [L, D] / [L]
+        extra = {name: value[b] for name, value in embeds.items()}  # [L, D] / [L], shared by the rows of a prompt
         log_probs = None
         if records is not None:
             extra["final_latents"] = final_latents[b].clone()  # [...] the clean latent (DiffusionNFT trains on it)

@@ -1,3 +1,6 @@
+import dataclasses
+import pickle
+
 import pytest
 import torch
 
@@ -31,6 +34,24 @@ def test_output_contract(engine, model):
     # Outputs own their storage (a view would pickle the whole batch through Ray).
     assert all(t._base is None for t in [image, out.log_probs, *extra.values()])
     assert set(out.metrics) >= {"generate_time", "batch_size"}
+
+
+def test_rows_of_one_prompt_share_one_host_copy_of_its_embeddings(engine, model):
+    """A group's rows carry one host tensor per prompt (and one for the empty prompt under CFG):
+    no copy per row, and a batch of outputs pickled whole carries each prompt's embeddings once."""
+    requests = [request(model, f"g{k}", "a red circle", seed=k, guidance_scale=3.0) for k in range(4)]
+    requests.append(request(model, "other", "a blue square", seed=9, guidance_scale=3.0))
+    outputs = engine.sample(requests)
+    group, other = outputs[:4], outputs[4]
+    for key in ("prompt_embeds", "prompt_embeds_mask", "negative_prompt_embeds"):
+        assert all(o.extra_fields[key] is group[0].extra_fields[key] for o in group)
+        assert group[0].extra_fields[key]._base is None  # its own storage, not a view of the batch
+    assert not torch.equal(other.extra_fields["prompt_embeds"], group[0].extra_fields["prompt_embeds"])
+    assert other.extra_fields["negative_prompt_embeds"] is group[0].extra_fields["negative_prompt_embeds"]
+    copied = [dataclasses.replace(o, extra_fields={k: v.clone() for k, v in o.extra_fields.items()}) for o in group]
+    embeds = group[0].extra_fields["prompt_embeds"]
+    saved = len(pickle.dumps(copied)) - len(pickle.dumps(group))
+    assert saved >= 3 * embeds.numel() * embeds.element_size()  # three rows' prompt embeddings, at least
 
 
 def test_default_window_is_every_step_but_the_last(engine, model):
