@@ -43,10 +43,13 @@ def main() -> None:
                         help="also evaluate these RL steps' checkpoints (needs trainer.keep_last=null in --base)")
     parser.add_argument("--eval-steps", type=int, nargs="+", default=[40], help="ODE step counts to evaluate at (one eval each)")
     args = parser.parse_args()
+    variants = [(name.strip(), overrides) for name, _, overrides in (spec.partition(":") for spec in args.variant)]
+    try:
+        check_fresh(Path(args.out), [name for name, _ in variants])
+    except ValueError as error:
+        parser.error(str(error))
     procs = {}
-    for spec in args.variant:
-        name, _, overrides = spec.partition(":")
-        name = name.strip()
+    for name, overrides in variants:
         cmd = [sys.executable, "-m", "flowloop.cli", "train", *options_first(shlex.split(args.base) + shlex.split(overrides)),
                f"trainer.run_root={args.out}", f"trainer.run_name={name}", "trainer.num_threads=2"]
         log = open(Path(args.out).mkdir(parents=True, exist_ok=True) or Path(args.out) / f"{name}.log", "w")
@@ -73,6 +76,19 @@ def main() -> None:
         print(f"{name:<14} {len(steps):>5} {per_step:>7.2f} {val[0][1]:>7.1%} {best[1]:>7.1%} {best[0]:>6} {val[-1][1]:>7.1%}")
     if args.eval:
         evaluate_checkpoints(Path(args.out), list(procs), args.eval_steps, args.eval_device, args.eval_at)
+
+
+def check_fresh(out: Path, names: list[str]) -> None:
+    """ValueError unless every variant name is new, in this sweep and under ``out``: a variant
+    whose run folder already exists would fail to start, and the table would show the old run's
+    metrics as this sweep's."""
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"--variant names {repeated} more than once; give each variant its own name")
+    existing = [name for name in names if (out / name).exists()]
+    if existing:
+        raise ValueError(f"--out {out} already holds runs named {existing} (an earlier sweep's): pass a new "
+                         f"--out, or remove {', '.join(str(out / name) for name in existing)}")
 
 
 def options_first(tokens: list[str]) -> list[str]:
