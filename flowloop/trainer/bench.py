@@ -5,7 +5,9 @@ In one run, on one device, with a run's own config (its recipe's sampler, CFG, L
 1. whole RL steps through the trainer's own calls (`rl_steps`: the manager samples and scores,
    advantages, `WorkerGroup.update`, `WorkerGroup.sync_weights`), one warm-up step then the
    timed ones: images/s of a step, of its rollout and its update; the update's
-   ``rollout_correction/max`` is the gap between the rollout's and the replay's log-probs;
+   ``rollout_correction/max`` is the gap between the rollout's and the replay's log-probs; the
+   rollout's time split into the engine's phases and the rest (agent loop and reward, with the
+   slowest row's wait for its reward);
 2. the ceiling: the bare denoiser forward loop at the rollout's rows (``num_inference_steps``
    guided velocities on the step's own latents and embeddings, in batches of the rollout
    server's ``max_batch_size`` samples as the rollout runs them; no sampler, no decode, no
@@ -109,6 +111,7 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
         engine = engine_seconds()
         rows.append({"rollout_s": t1 - t0, "update_s": t2 - t1, "update_compute_s": metrics.get("time/update_compute"),
                      "sync_s": t3 - t2, "step_s": t3 - t0,
+                     "reward_max_s": out.meta_info.get("timing", {}).get("agent_loop/reward_time/max"),
                      **{name: engine[name] - engine_before[name] for name in engine_keys},
                      "correction_max": metrics.get("rollout_correction/max")})
         engine_before = engine
@@ -206,6 +209,7 @@ def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
         "ceiling": {"seconds": forward_s, "images_per_s": rows / forward_s, "tflops": rollout_flops / forward_s / 1e12},
         "rollout": {"seconds": mean("rollout_s"), "engine_seconds": mean("engine_s"),
                     "engine_phase_seconds": {phase: mean(f"{phase}_s") for phase in PHASES},
+                    "slowest_reward_seconds": mean("reward_max_s"),
                     "images_per_s": rows / mean("rollout_s"), "tflops": rollout_flops / mean("rollout_s") / 1e12},
         "update": {"seconds": mean("update_s"), "compute_seconds": mean("update_compute_s"),
                    "tflops": update_flops / mean("update_s") / 1e12},
@@ -244,6 +248,10 @@ def format_figures(figures: dict) -> str:
         lines.append(f"{part:10} {f['seconds']:9.3f} {images:>9} {f['tflops']:8.2f} {f['mfu']:6.1%}")
     phases = figures["rollout"]["engine_phase_seconds"]
     lines.append("rollout engine: " + ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in phases.items()))
+    rollout = figures["rollout"]
+    if rollout["slowest_reward_seconds"] is not None:
+        lines.append(f"outside the engine {rollout['seconds'] - rollout['engine_seconds']:.3f} s (agent loop and reward; "
+                     f"the slowest row's reward {rollout['slowest_reward_seconds']:.3f} s)")
     lines.append(f"rollout / ceiling {figures['rollout']['of_ceiling']:.2f}; rollout-vs-replay log-prob gap "
                  f"{figures['rollout_vs_replay_logprob_gap']:.2e}; peak memory "
                  + (f"{figures['peak_memory_gib']:.1f} GiB" if figures['peak_memory_gib'] is not None else "n/a (CPU)"))
