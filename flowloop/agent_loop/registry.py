@@ -6,7 +6,7 @@ for loops defined anywhere else (``rollout.agent.agent_loop_config_path``):
       max_attempts: 3              # any further keys are constructor arguments
 
 A row picks its loop with its ``agent_name`` column (else ``agent.default_agent_loop``); the
-worker builds the loop per row with Hydra, ``instantiate(entry, client=..., tokenizer=...)``.
+worker builds a new loop per row, ``instantiate(entry, client=..., tokenizer=...)`` as Hydra would.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 _AGENT_LOOPS: dict[str, dict[str, Any]] = {}
 """name -> Hydra config: ``{"_target_": "module.Class", **constructor kwargs}``."""
+_FACTORIES: dict[str, Any] = {}
+"""name -> the loop's class with its YAML kwargs bound (`instantiate_agent_loop`)."""
 
 
 def register_agent_loop(name: str):
@@ -65,8 +67,26 @@ def agent_loop_config(name: str) -> dict[str, Any]:
 
 
 def instantiate_agent_loop(name: str, **dependencies: Any):
-    """A new loop ``name``, built with its YAML kwargs plus ``dependencies`` (client, tokenizer)."""
-    return hydra.utils.instantiate(agent_loop_config(name), **dependencies)
+    """A new loop ``name``, built with its YAML kwargs plus ``dependencies`` (client, tokenizer).
+
+    Hydra reads a config once per name into a partial of the class (a row then costs a
+    constructor call, not ~1 ms of Hydra); a config that nests other ``_target_`` objects is
+    instantiated whole for every row, so no row shares such an object with another."""
+    config = agent_loop_config(name)
+    if _has_nested_target(config):
+        return hydra.utils.instantiate(config, **dependencies)
+    if name not in _FACTORIES:
+        _FACTORIES[name] = hydra.utils.instantiate(config, _partial_=True)
+    return _FACTORIES[name](**dependencies)
+
+
+def _has_nested_target(config: dict[str, Any]) -> bool:
+    def nested(value) -> bool:
+        if isinstance(value, dict):
+            return "_target_" in value or any(nested(v) for v in value.values())
+        return isinstance(value, (list, tuple)) and any(nested(v) for v in value)
+
+    return any(nested(value) for key, value in config.items() if key != "_target_")
 
 
 def registered_agent_loops() -> list[str]:

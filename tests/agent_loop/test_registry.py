@@ -64,3 +64,35 @@ def test_malformed_yaml_is_explained(tmp_path, text, error):
         load_agent_loop_configs(path)
     with pytest.raises(FileNotFoundError, match="agent_loop_config_path"):
         load_agent_loop_configs(tmp_path / "missing.yaml")
+
+
+class _Counted:
+    """A loop whose every construction is counted (instances are per row, never shared)."""
+
+    built = 0
+
+    def __init__(self, client, tokenizer, depth: int = 1, helper=None):
+        type(self).built += 1
+        self.client, self.tokenizer, self.depth, self.helper = client, tokenizer, depth, helper
+
+
+class _Helper:
+    def __init__(self, size: int):
+        self.size = size
+
+
+def test_each_row_gets_a_new_loop_with_its_yaml_kwargs(tmp_path):
+    path = tmp_path / "loops.yaml"
+    path.write_text(f"- name: counted_plain\n  _target_: {__name__}._Counted\n  depth: 4\n"
+                    f"- name: counted_nested\n  _target_: {__name__}._Counted\n"
+                    f"  helper: {{_target_: {__name__}._Helper, size: 2}}\n")
+    load_agent_loop_configs(path)
+    before = _Counted.built
+    first = instantiate_agent_loop("counted_plain", client="c1", tokenizer="t")
+    second = instantiate_agent_loop("counted_plain", client="c2", tokenizer="t")
+    assert _Counted.built == before + 2 and first is not second
+    assert (first.client, second.client, first.depth, second.depth) == ("c1", "c2", 4, 4)
+    # A nested object is built for each row too, not shared between rows.
+    a = instantiate_agent_loop("counted_nested", client=None, tokenizer=None)
+    b = instantiate_agent_loop("counted_nested", client=None, tokenizer=None)
+    assert isinstance(a.helper, _Helper) and a.helper.size == 2 and a.helper is not b.helper
