@@ -11,6 +11,7 @@ worker builds a new loop per row, ``instantiate(entry, client=..., tokenizer=...
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -69,24 +70,28 @@ def agent_loop_config(name: str) -> dict[str, Any]:
 def instantiate_agent_loop(name: str, **dependencies: Any):
     """A new loop ``name``, built with its YAML kwargs plus ``dependencies`` (client, tokenizer).
 
-    Hydra reads a config once per name into a partial of the class (a row then costs a
-    constructor call, not ~1 ms of Hydra); a config that nests other ``_target_`` objects is
-    instantiated whole for every row, so no row shares such an object with another."""
+    A config of plain keyword arguments becomes the class with them bound, once per name (a row
+    then costs a constructor call, not ~1 ms of Hydra); one that nests other ``_target_`` objects
+    or uses Hydra's other ``_keys_`` goes through Hydra for every row, so no row shares a nested
+    object with another."""
     config = agent_loop_config(name)
-    if _has_nested_target(config):
+    if not _plain_kwargs(config):
         return hydra.utils.instantiate(config, **dependencies)
     if name not in _FACTORIES:
-        _FACTORIES[name] = hydra.utils.instantiate(config, _partial_=True)
+        kwargs = {key: value for key, value in config.items() if key != "_target_"}
+        _FACTORIES[name] = functools.partial(hydra.utils.get_object(config["_target_"]), **kwargs)
     return _FACTORIES[name](**dependencies)
 
 
-def _has_nested_target(config: dict[str, Any]) -> bool:
+def _plain_kwargs(config: dict[str, Any]) -> bool:
+    """Every key but ``_target_`` an argument name, and no value a dict or list that holds one."""
     def nested(value) -> bool:
         if isinstance(value, dict):
             return "_target_" in value or any(nested(v) for v in value.values())
         return isinstance(value, (list, tuple)) and any(nested(v) for v in value)
 
-    return any(nested(value) for key, value in config.items() if key != "_target_")
+    kwargs = {key: value for key, value in config.items() if key != "_target_"}
+    return not any(key.startswith("_") for key in kwargs) and not any(nested(value) for value in kwargs.values())
 
 
 def registered_agent_loops() -> list[str]:
