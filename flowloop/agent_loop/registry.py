@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 _AGENT_LOOPS: dict[str, dict[str, Any]] = {}
 """name -> Hydra config: ``{"_target_": "module.Class", **constructor kwargs}``."""
 _FACTORIES: dict[str, Any] = {}
-"""name -> the loop's class with its YAML kwargs bound (`instantiate_agent_loop`)."""
+"""name -> what builds one loop from its dependencies (`instantiate_agent_loop`)."""
 
 
 def register_agent_loop(name: str):
@@ -74,24 +74,22 @@ def instantiate_agent_loop(name: str, **dependencies: Any):
     then costs a constructor call, not ~1 ms of Hydra); one that nests other ``_target_`` objects
     or uses Hydra's other ``_keys_`` goes through Hydra for every row, so no row shares a nested
     object with another."""
-    config = agent_loop_config(name)
-    if not _plain_kwargs(config):
-        return hydra.utils.instantiate(config, **dependencies)
     if name not in _FACTORIES:
-        kwargs = {key: value for key, value in config.items() if key != "_target_"}
-        _FACTORIES[name] = functools.partial(hydra.utils.get_object(config["_target_"]), **kwargs)
+        _FACTORIES[name] = _factory(agent_loop_config(name))
     return _FACTORIES[name](**dependencies)
 
 
-def _plain_kwargs(config: dict[str, Any]) -> bool:
-    """Every key but ``_target_`` an argument name, and no value a dict or list that holds one."""
-    def nested(value) -> bool:
-        if isinstance(value, dict):
-            return "_target_" in value or any(nested(v) for v in value.values())
-        return isinstance(value, (list, tuple)) and any(nested(v) for v in value)
-
+def _factory(config: dict[str, Any]):
     kwargs = {key: value for key, value in config.items() if key != "_target_"}
-    return not any(key.startswith("_") for key in kwargs) and not any(nested(value) for value in kwargs.values())
+    if any(key.startswith("_") for key in kwargs) or any(_holds_target(value) for value in kwargs.values()):
+        return functools.partial(hydra.utils.instantiate, config)
+    return functools.partial(hydra.utils.get_object(config["_target_"]), **kwargs)
+
+
+def _holds_target(value) -> bool:
+    if isinstance(value, dict):
+        return "_target_" in value or any(_holds_target(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_target(v) for v in value)
 
 
 def registered_agent_loops() -> list[str]:
