@@ -64,6 +64,12 @@ def main() -> None:
         print(f"plot: {args.plot}")
 
 
+def series(rows: list[dict], key: str, positive: bool = False) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over the records that hold it (with ``positive``, only values > 0)."""
+    points = [(row["step"], row[key]) for row in rows if key in row and (row[key] > 0 or not positive)]
+    return [step for step, _ in points], [value for _, value in points]
+
+
 def plot_runs(records: dict[Path, list[dict]], out: Path, window: int) -> None:
     """Three panels, one line per run (per window step in the last): training exact-match share,
     held-out validation, approximate KL of the update."""
@@ -74,17 +80,12 @@ def plot_runs(records: dict[Path, list[dict]], out: Path, window: int) -> None:
 
     fig, (train_ax, val_ax, kl_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
     for run, rows in records.items():
-
-        def series(key: str, positive: bool = False) -> tuple[list[int], list[float]]:
-            points = [(row["step"], row[key]) for row in rows if key in row and (row[key] > 0 or not positive)]
-            return [step for step, _ in points], [value for _, value in points]
-
-        steps, correct = series("reward/correct")
+        steps, correct = series(rows, "reward/correct")
         train_ax.plot(steps, trailing_mean(correct, window), label=run.name)
-        steps, strict = series("val/strict_accuracy")
+        steps, strict = series(rows, "val/strict_accuracy")
         val_ax.plot(steps, [100 * v for v in strict], marker="o", label=run.name)
         for key in sorted({k for row in rows for k in row if k.startswith("actor/approx_kl_step")}):
-            steps, kl = series(key, positive=True)  # a log axis: steps whose KL is 0 are left out
+            steps, kl = series(rows, key, positive=True)  # a log axis: steps whose KL is 0 are left out
             kl_ax.plot(steps, trailing_mean(kl, window), label=f"{run.name} {key.rsplit('_', 1)[1]}")
     train_ax.set(title=f"training samples drawn exactly right ({window}-step mean)", xlabel="RL step", ylabel="share")
     val_ax.set(title="in-run held-out validation, strict", xlabel="RL step", ylabel="%")
