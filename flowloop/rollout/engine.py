@@ -257,7 +257,7 @@ class RolloutEngine:
         rows_embeds = {name: value[on_device] for name, value in encoded.items()}  # each [B or 2B, ...]
         host = {}
         for name, value in encoded.items():
-            distinct_rows = [row.clone() for row in value.cpu()]  # each its own storage, not a view of [P, ...]
+            distinct_rows = [value[p].to("cpu", copy=True) for p in range(len(value))]  # each its own storage
             host[name] = [distinct_rows[i] for i in index]
         if not cfg:
             return rows_embeds, host
