@@ -15,14 +15,25 @@ forward, a KL reference forward) and leaves the update's backward-carrying calls
 whose checkpointed update gets slower compiled (Qwen-Image) can still sample at the compiled
 speed. Those graphs specialize on each batch shape (``dynamic=False``): a rollout's batches come
 in few shapes, and with dynamic shapes Qwen-Image's compiled loop ran no faster than eager. Each
-new shape (batch rows, text length) compiles once; past torch's ``recompile_limit`` of shapes a
-block falls back to eager, so prompts of many different lengths lose the speed-up.
+new shape (batch rows, text length) compiles once.
+
+Every graph a block's code holds counts against one limit (torch's ``recompile_limit``, 8 by
+default), shared by all the blocks of a stack, and past it the block runs eager without a word
+beyond one log warning. A stack needs more than 8: SD3.5-Medium's blocks come in three layouts
+(dual attention, plain, the last block's context-free one), and each layout is traced for the
+rollout, for the KL reference (adapters off, a different module state), for the update and for
+the update's first block (its input carries no gradient): 10 graphs, so with the default the
+update's later blocks ran eager. ``RECOMPILE_LIMIT`` leaves room for those and a few batch shapes.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+RECOMPILE_LIMIT = 64
+"""Graphs a compiled block's code may hold before torch falls back to eager (raised to this, never
+lowered): layouts x call kinds (rollout, KL reference, update) x batch shapes."""
 
 
 def compile_repeated_blocks(module: nn.Module, rollout_only: bool = False) -> int:
@@ -31,6 +42,7 @@ def compile_repeated_blocks(module: nn.Module, rollout_only: bool = False) -> in
     them), for every call or (``rollout_only``) for calls without gradients; returns how many
     blocks were compiled. ValueError when there are none."""
     named = set(getattr(module, "_repeated_blocks", None) or ())
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     compiled = 0
     for stack in module.modules():
         if not isinstance(stack, nn.ModuleList) or len(stack) < 2:

@@ -17,6 +17,7 @@ from tests.models.tiny_diffusers import PROMPTS, check_lora_update, prompt_ids, 
 @pytest.mark.slow  # inductor compiles C++ kernels on the CPU: ~90 s on 2 cores
 def test_compiled_blocks_give_eager_velocities_and_a_replayable_lora_update(sd3_dir):  # noqa: F811
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     eager, model = (load_flow_model(sd3_dir, max_sequence_length=T5_TOKENS) for _ in range(2))
     blocks = model.transformer.transformer_blocks
     assert compile_repeated_blocks(model.transformer) == len(blocks) >= 2
@@ -29,6 +30,10 @@ def test_compiled_blocks_give_eager_velocities_and_a_replayable_lora_update(sd3_
     model.trainable_module().enable_gradient_checkpointing()
     batch, sampling = rollout(model, guidance_scale=4.5, shift=3.0)
     check_lora_update(model, batch, sampling, LORA_TARGETS)
+    # Every block call of the rollout, the KL reference and the update ran compiled: none hit
+    # torch's recompile limit and fell back to eager.
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["ok"] == frames["total"] >= 8, dict(torch._dynamo.utils.counters["unimplemented"])
     # The image VAE's decoder, compiled whole, decodes as eager does.
     assert compile_image_decoder(model) and model.vae.decoder._compiled_call_impl is not None
     latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(1))
