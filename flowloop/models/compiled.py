@@ -24,7 +24,9 @@ beyond one log warning. A stack needs more than 8: SD3.5-Medium's blocks come in
 rollout, for the KL reference (adapters off, a different module state), for the update and for
 the update's first block (its input carries no gradient): 10 graphs. With the default, SD3.5's
 first RL step hit the limit on an H100 and, on a small SD3 with the same layouts, the update's
-plain and last blocks then ran eager. ``RECOMPILE_LIMIT`` leaves room for those and a few batch shapes.
+plain and last blocks then ran eager. ``RECOMPILE_LIMIT`` leaves room for those and a few batch
+shapes; with ``rollout_only``, prompts of many text lengths compile one graph per length up to
+it (each one block's compile time) and run eager past it.
 """
 
 from __future__ import annotations
