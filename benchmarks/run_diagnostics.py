@@ -9,8 +9,10 @@ where the objective logs them (FlowGRPO), ``actor/clip_frac_stepJ``, ``actor/app
 and ``actor/adv_log_ratio_stepJ`` for every window step J.
 
 ``--plot PNG`` draws the runs side by side: the training samples' exact-match share (a
-``--window``-step trailing mean), the in-run held-out validation, and, for runs that log it, the
-approximate KL between the updated and the sampling policy per window step (log scale).
+``--window``-step trailing mean), the in-run held-out validation, and, for runs that log them
+(FlowGRPO), two profiles over the denoising steps the update trains: the approximate KL between
+the updated and the sampling policy (log scale) and the share of clipped rows, each the mean over
+the whole run.
 """
 
 from __future__ import annotations
@@ -70,27 +72,36 @@ def series(rows: list[dict], key: str, positive: bool = False) -> tuple[list[int
     return [step for step, _ in points], [value for _, value in points]
 
 
+def step_profile(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
+    """(window steps j, run mean of ``actor/{name}_step{j}``), in denoising order."""
+    keys = sorted({k for row in rows for k in row if k.startswith(f"actor/{name}_step")}, key=lambda k: int(k.rsplit("step", 1)[1]))
+    return [int(k.rsplit("step", 1)[1]) for k in keys], [mean(rows, k) for k in keys]
+
+
 def plot_runs(records: dict[Path, list[dict]], out: Path, window: int) -> None:
-    """Three panels, one line per run (per window step in the last): training exact-match share,
-    held-out validation, approximate KL of the update."""
+    """Four panels, one line per run: training exact-match share, held-out validation, and per
+    window step the run's mean approximate KL and clipped share (FlowGRPO runs only)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (train_ax, val_ax, kl_ax) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (train_ax, val_ax, kl_ax, clip_ax) = plt.subplots(1, 4, figsize=(19, 4.2))
     for run, rows in records.items():
         steps, correct = series(rows, "reward/correct")
         train_ax.plot(steps, trailing_mean(correct, window), label=run.name)
         steps, strict = series(rows, "val/strict_accuracy")
         val_ax.plot(steps, [100 * v for v in strict], marker="o", label=run.name)
-        for key in sorted({k for row in rows for k in row if k.startswith("actor/approx_kl_step")}):
-            steps, kl = series(rows, key, positive=True)  # a log axis: steps whose KL is 0 are left out
-            kl_ax.plot(steps, trailing_mean(kl, window), label=f"{run.name} {key.rsplit('_', 1)[1]}")
+        trained = train_rows(rows)
+        for ax, name in ((kl_ax, "approx_kl"), (clip_ax, "clip_frac")):
+            js, values = step_profile(trained, name)
+            if js:
+                ax.plot(js, [100 * v for v in values] if name == "clip_frac" else values, marker="o", label=run.name)
     train_ax.set(title=f"training samples drawn exactly right ({window}-step mean)", xlabel="RL step", ylabel="share")
     val_ax.set(title="in-run held-out validation, strict", xlabel="RL step", ylabel="%")
-    kl_ax.set(title="approximate KL, updated vs sampling policy", xlabel="RL step", yscale="log")
-    for ax in (train_ax, val_ax, kl_ax):
+    kl_ax.set(title="approximate KL to the sampling policy (run mean)", xlabel="denoising step trained", yscale="log")
+    clip_ax.set(title="rows clipped by the trust region (run mean)", xlabel="denoising step trained", ylabel="%")
+    for ax in (train_ax, val_ax, kl_ax, clip_ax):
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)

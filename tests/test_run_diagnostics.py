@@ -45,3 +45,15 @@ def test_a_folder_without_metrics_is_named(tmp_path):
     spec.loader.exec_module(module)
     with pytest.raises(SystemExit, match="metrics.jsonl does not exist"):
         module.metric_rows(tmp_path)
+
+
+def test_step_profile_is_in_denoising_order_and_averages_the_run():
+    spec = importlib.util.spec_from_file_location("run_diagnostics", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [{"actor/clip_frac_step10": 0.4, "actor/clip_frac_step2": 0.1, "actor/clip_frac_step0": 0.0},
+            {"actor/clip_frac_step10": 0.2, "actor/clip_frac_step2": 0.3, "actor/clip_frac_step0": 0.0}]
+    steps, values = module.step_profile(rows, "clip_frac")
+    assert steps == [0, 2, 10]
+    assert values == pytest.approx([0.0, 0.2, 0.3])
+    assert module.step_profile(rows, "approx_kl") == ([], [])
