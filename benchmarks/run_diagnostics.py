@@ -87,16 +87,17 @@ def plot_runs(records: dict[Path, list[dict]], out: Path, window: int) -> None:
     import matplotlib.pyplot as plt
 
     fig, (train_ax, val_ax, kl_ax, clip_ax) = plt.subplots(1, 4, figsize=(19, 4.2))
-    for run, rows in records.items():
+    for i, (run, rows) in enumerate(records.items()):
+        style = {"label": run.name, "color": f"C{i}"}  # one colour per run in every panel
         steps, correct = series(rows, "reward/correct")
-        train_ax.plot(steps, trailing_mean(correct, window), label=run.name)
+        train_ax.plot(steps, trailing_mean(correct, window), **style)
         steps, strict = series(rows, "val/strict_accuracy")
-        val_ax.plot(steps, [100 * v for v in strict], marker="o", label=run.name)
+        val_ax.plot(steps, [100 * v for v in strict], marker="o", **style)
         trained = train_rows(rows)
         for ax, name in ((kl_ax, "approx_kl"), (clip_ax, "clip_frac")):
             js, values = step_profile(trained, name)
             if js:
-                ax.plot(js, [100 * v for v in values] if name == "clip_frac" else values, marker="o", label=run.name)
+                ax.plot(js, [100 * v for v in values] if name == "clip_frac" else values, marker="o", **style)
     train_ax.set(title=f"training samples drawn exactly right ({window}-step mean)", xlabel="RL step", ylabel="share")
     val_ax.set(title="in-run held-out validation, strict", xlabel="RL step", ylabel="%")
     kl_ax.set(title="approximate KL to the sampling policy (run mean)", xlabel="denoising step trained", yscale="log")
