@@ -20,9 +20,9 @@ new shape (batch rows, text length) compiles once.
 Every graph a block's code holds counts against one limit (torch's ``recompile_limit``, 8 by
 default), shared by all the blocks of a stack, and past it the block runs eager without a word
 beyond one log warning. A stack needs more than 8: SD3.5-Medium's blocks come in three layouts
-(dual attention, plain, the last block's context-free one), and each layout is traced for the
-rollout, for the KL reference (adapters off, a different module state), for the update and for
-the update's first block (its input carries no gradient): 10 graphs. With the default, SD3.5's
+(dual attention, plain, the last block's context-free one), each traced for the rollout, for the
+KL reference (adapters off, a different module state) and for the update, and the update's first
+block once more (its input carries no gradient): 10 graphs. With the default, SD3.5's
 first RL step hit the limit on an H100 and, on a small SD3 with the same layouts, the update's
 plain and last blocks then ran eager. ``RECOMPILE_LIMIT`` leaves room for those and a few batch
 shapes; with ``rollout_only``, prompts of many text lengths compile one graph per length up to
