@@ -56,7 +56,7 @@ def main() -> None:
     records = {run: metric_rows(run) for run in args.runs}
     for run, all_rows in records.items():
         rows = train_rows(all_rows)
-        keys = [*FIXED, *sorted({k for row in rows for k in row if PER_STEP.match(k)})]
+        keys = [*FIXED, *sorted({k for row in rows for k in row if PER_STEP.match(k)}, key=per_step_order)]
         first, last = rows[:args.window], rows[-args.window:]
         for key in keys:
             if any(key in row for row in rows):
@@ -66,16 +66,23 @@ def main() -> None:
         print(f"plot: {args.plot}")
 
 
-def series(rows: list[dict], key: str, positive: bool = False) -> tuple[list[int], list[float]]:
-    """(steps, values) of ``key`` over the records that hold it (with ``positive``, only values > 0)."""
-    points = [(row["step"], row[key]) for row in rows if key in row and (row[key] > 0 or not positive)]
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over the records that hold it."""
+    points = [(row["step"], row[key]) for row in rows if key in row]
     return [step for step, _ in points], [value for _, value in points]
+
+
+def per_step_order(key: str) -> tuple[str, int]:
+    """``actor/NAME_stepJ`` -> (NAME, J): per-step keys sorted by metric, then in denoising order
+    (``step10`` after ``step2``)."""
+    name, _, step = key.rpartition("_step")
+    return name, int(step)
 
 
 def step_profile(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
     """(window steps j, run mean of ``actor/{name}_step{j}``), in denoising order."""
-    keys = sorted({k for row in rows for k in row if k.startswith(f"actor/{name}_step")}, key=lambda k: int(k.rsplit("step", 1)[1]))
-    return [int(k.rsplit("step", 1)[1]) for k in keys], [mean(rows, k) for k in keys]
+    keys = sorted({k for row in rows for k in row if k.startswith(f"actor/{name}_step")}, key=per_step_order)
+    return [per_step_order(k)[1] for k in keys], [mean(rows, k) for k in keys]
 
 
 def plot_runs(records: dict[Path, list[dict]], out: Path, window: int) -> None:

@@ -26,6 +26,14 @@ def _run(folder: Path, correct: list[float], kl: list[float] | None) -> Path:
     return folder
 
 
+def _load_script():
+    """benchmarks/run_diagnostics.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("run_diagnostics", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_table_means_and_plot(tmp_path):
     nft = _run(tmp_path / "nft", [0.2, 0.4, 0.6, 0.8], None)
     fg = _run(tmp_path / "fg", [0.1, 0.1, 0.3, 0.5], [1e-11, 2e-11, 3e-11, 4e-11])
@@ -40,17 +48,13 @@ def test_table_means_and_plot(tmp_path):
 
 
 def test_a_folder_without_metrics_is_named(tmp_path):
-    spec = importlib.util.spec_from_file_location("run_diagnostics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_script()
     with pytest.raises(SystemExit, match="metrics.jsonl does not exist"):
         module.metric_rows(tmp_path)
 
 
 def test_step_profile_is_in_denoising_order_and_averages_the_run():
-    spec = importlib.util.spec_from_file_location("run_diagnostics", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load_script()
     rows = [{"actor/clip_frac_step10": 0.4, "actor/clip_frac_step2": 0.1, "actor/clip_frac_step0": 0.0},
             {"actor/clip_frac_step10": 0.2, "actor/clip_frac_step2": 0.3, "actor/clip_frac_step0": 0.0}]
     steps, values = module.step_profile(rows, "clip_frac")
