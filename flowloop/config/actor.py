@@ -28,6 +28,12 @@ class FlowGRPOConfig:
     """Share of each row's recorded (SDE-window) steps trained on, taken in order."""
     kl_mode: str = "flow_grpo"
     """``flow_grpo`` (squared mean gap over 2 s^2, s without sqrt(-dt)) or ``exact`` (Gaussian KL)."""
+    balance_steps: bool = False
+    """Multiply each trained step's loss by ``std / |d mean / d v|`` of its transition, scaled to
+    mean 1 over the row's trained steps. A step's log-prob gradient with respect to the velocity
+    is proportional to ``|d mean / d v| / std``, which is smallest at the high-noise steps; with this
+    on, one velocity change moves every trained step's loss by the same amount. Off: the published
+    unweighted loss."""
     skip_old_logprob: bool = True
     """Use the rollout's log-probs as logp_old (exact with colocated weights: see the
     rollout-correction metric) instead of a separate no-grad replay with the sampling weights."""

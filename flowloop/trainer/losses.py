@@ -36,12 +36,14 @@ def flow_grpo_loss(
     advantages: torch.Tensor,
     clip_range: float,
     adv_clip_max: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped policy loss (a scalar) and detached diagnostics.
 
     ``log_prob [B]`` carries the gradient; ``old_log_prob [B]`` and ``advantages [B]`` are
     treated as constants (detached here). Any shape works as long as the three agree (e.g.
-    ``[B, W]`` for W trained steps at once); the loss is the mean over every element.
+    ``[B, W]`` for W trained steps at once); the loss is the mean over every element, each
+    multiplied by its entry of ``weights`` (a constant of the same shape) when given.
 
     Diagnostics (0-d, detached): ``ratio_mean``, ``clip_frac`` (share with
     ``|ratio - 1| > clip_range``), ``clip_frac_high`` / ``clip_frac_low`` (ratio above
@@ -57,6 +59,8 @@ def flow_grpo_loss(
             "log_prob, old_log_prob and advantages must have one shape, got "
             f"{tuple(log_prob.shape)}, {tuple(old_log_prob.shape)} and {tuple(advantages.shape)}"
         )
+    if weights is not None and weights.shape != log_prob.shape:
+        raise ValueError(f"weights must have log_prob's shape {tuple(log_prob.shape)}, got {tuple(weights.shape)}")
     old_log_prob, advantages = old_log_prob.detach(), advantages.detach()
 
     # 1. Clamp the advantages, then the PPO ratio and its clipped twin.
@@ -67,7 +71,8 @@ def flow_grpo_loss(
     clipped_loss = -clamped * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)  # [B]
 
     # 2. Pessimistic (larger) of the two, averaged over the batch.
-    loss = torch.maximum(unclipped_loss, clipped_loss).mean()
+    per_element = torch.maximum(unclipped_loss, clipped_loss)
+    loss = (per_element if weights is None else per_element * weights.detach()).mean()
 
     with torch.no_grad():
         ratio_d = ratio.detach()

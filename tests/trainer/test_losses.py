@@ -63,6 +63,14 @@ def test_old_log_prob_and_advantages_get_no_gradient():
     assert old.grad is None and adv.grad is None
 
 
+def test_weights_multiply_each_rows_term():
+    log_prob, old, adv = _batch()
+    weights = torch.tensor([0.0, 2.0, 1.0, 1.0, 0.5, 1.0])
+    loss, _ = flow_grpo_loss(log_prob, old, adv, clip_range=0.2, adv_clip_max=5.0, weights=weights)
+    # the table's terms: (0 * -2.4 + 2 * -1.0 + 0.8 + 1.5 + 0.5 * -5.0 + 5.5) / 6
+    assert loss.item() == pytest.approx(3.3 / 6, abs=1e-6)
+
+
 def test_loss_rejects_bad_settings():
     log_prob, old, adv = _batch()
     with pytest.raises(ValueError, match="clip_range must be a finite float > 0, got 0"):
@@ -71,6 +79,8 @@ def test_loss_rejects_bad_settings():
         flow_grpo_loss(log_prob, old, adv, clip_range=0.2, adv_clip_max=-1.0)
     with pytest.raises(ValueError, match="one shape"):
         flow_grpo_loss(log_prob, old[:3], adv, clip_range=0.2, adv_clip_max=5.0)
+    with pytest.raises(ValueError, match=r"weights must have log_prob's shape \(6,\), got \(3,\)"):
+        flow_grpo_loss(log_prob, old, adv, clip_range=0.2, adv_clip_max=5.0, weights=torch.ones(3))
 
 
 def test_kl_by_hand():

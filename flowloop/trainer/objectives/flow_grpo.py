@@ -47,11 +47,17 @@ class FlowGRPO:
         if cfg.rollout.max_staleness > 0 and not cfg.actor.flow_grpo.skip_old_logprob:
             raise ValueError("rollout.max_staleness > 0 needs actor.flow_grpo.skip_old_logprob=true: rows sampled with "
                              "older weights must take logp_old from the rollout, not from a replay with the trainer's")
+        if cfg.actor.flow_grpo.balance_steps and cfg.rollout.algo.sampler == "cps" \
+                and cfg.rollout.algo.logprob_mode != "density":
+            raise ValueError("actor.flow_grpo.balance_steps=true weighs steps by their Gaussian log-density's scale; "
+                             f"rollout.algo.logprob_mode={cfg.rollout.algo.logprob_mode!r} is not a density: "
+                             "set rollout.algo.logprob_mode=density or actor.flow_grpo.balance_steps=false")
 
     def prepare(self, tensors: Rows, generator: torch.Generator) -> int:
         """Nothing to draw; the first ``ceil(timestep_fraction x window)`` recorded steps train."""
         self._correction = []
-        return max(1, math.ceil(self.settings.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
+        self._terms = max(1, math.ceil(self.settings.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
+        return self._terms
 
     def replay(self, policy: Policy, rows: Rows, j: int, reference: bool = False):
         """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
@@ -77,7 +83,9 @@ class FlowGRPO:
             self._correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
         if old is None:
             old = rows["rollout_log_probs"][:, j]
-        loss, diag = flow_grpo_loss(out.log_prob, old, advantages, self.settings.clip_range, cfg.adv_clip_max)
+        weights = self.step_weights(rows)[:, j] if self.settings.balance_steps else None
+        loss, diag = flow_grpo_loss(out.log_prob, old, advantages, self.settings.clip_range, cfg.adv_clip_max,
+                                    weights)
         diag = {**diag, **per_step_diagnostics(diag, out.log_prob.detach() - old, advantages, j)}
         if cfg.kl_coef == 0:
             return loss, diag, None
@@ -87,6 +95,25 @@ class FlowGRPO:
         kl = kl_loss(out.mean, ref.mean, out.std, dt=dt if self.sampling.sampler == "sde" else None,
                      mode=self.settings.kl_mode)
         return loss, diag, kl.mean()
+
+    def step_weights(self, rows: Rows) -> torch.Tensor:
+        """``[b, terms]`` ``std / |d mean / d v|`` of each trained step's transition, divided by its
+        row's mean (``actor.flow_grpo.balance_steps``). Every sampler's mean is affine in the
+        velocity, so ``d mean / d v`` is the mean at ``v = 1`` minus the mean at ``v = 0``; both
+        come from the sampler itself on one-element rows. Deterministic steps (std 0) weigh 0."""
+        t = rows["all_timesteps"][:, :self._terms].reshape(-1).float()  # [b * terms]
+        t_next = rows["all_next_timesteps"][:, :self._terms].reshape(-1).float()
+        zero = torch.zeros(len(t), 1, device=t.device)  # [b * terms, 1]: one latent element a row
+
+        def step(v):
+            return self.step_fn(v, t, t_next, zero, noise_level=self.sampling.noise_level, prev_sample=zero,
+                                **self.step_kwargs)
+
+        at_zero, at_one = step(zero), step(zero + 1)
+        slope = (at_one.mean - at_zero.mean).abs().reshape(-1)  # [b * terms]
+        scale = torch.where(slope > 0, at_zero.std.reshape(-1) / slope.clamp_min(1e-30), torch.zeros_like(slope))
+        scale = scale.reshape(-1, self._terms)  # [b, terms]
+        return scale / scale.mean(dim=1, keepdim=True).clamp_min(1e-30)
 
     def metrics(self) -> dict[str, float]:
         """``rollout_correction/mean`` and ``/max``: ``|logp_replay - logp_rollout|`` over every
