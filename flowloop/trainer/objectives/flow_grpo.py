@@ -100,20 +100,22 @@ class FlowGRPO:
         """``[b, terms]`` ``std / |d mean / d v|`` of each trained step's transition, divided by its
         row's mean (``actor.flow_grpo.balance_steps``). Every sampler's mean is affine in the
         velocity, so ``d mean / d v`` is the mean at ``v = 1`` minus the mean at ``v = 0``; both
-        come from the sampler itself on one-element rows. Deterministic steps (std 0) weigh 0."""
-        t = rows["all_timesteps"][:, :self._terms].reshape(-1).float()  # [b * terms]
-        t_next = rows["all_next_timesteps"][:, :self._terms].reshape(-1).float()
-        zero = torch.zeros(len(t), 1, device=t.device)  # [b * terms, 1]: one latent element a row
+        come from the sampler itself, once per distinct ``(t, t_next)`` pair (rows share their
+        schedule), on the host. Deterministic steps (std 0) weigh 0."""
+        t = rows["all_timesteps"][:, :self._terms].float()  # [b, terms]
+        t_next = rows["all_next_timesteps"][:, :self._terms].float()
+        pairs, index = torch.unique(torch.stack([t, t_next], -1).reshape(-1, 2).cpu(), dim=0, return_inverse=True)
+        zero = torch.zeros(len(pairs), 1)  # [pairs, 1]: one latent element a pair
 
         def step(v):
-            return self.step_fn(v, t, t_next, zero, noise_level=self.sampling.noise_level, prev_sample=zero,
-                                **self.step_kwargs)
+            return self.step_fn(v, pairs[:, 0], pairs[:, 1], zero, noise_level=self.sampling.noise_level,
+                                prev_sample=zero, **self.step_kwargs)
 
         at_zero, at_one = step(zero), step(zero + 1)
-        slope = (at_one.mean - at_zero.mean).abs().reshape(-1)  # [b * terms]
+        slope = (at_one.mean - at_zero.mean).abs().reshape(-1)  # [pairs]
         scale = torch.where(slope > 0, at_zero.std.reshape(-1) / slope.clamp_min(1e-30), torch.zeros_like(slope))
-        scale = scale.reshape(-1, self._terms)  # [b, terms]
-        return scale / scale.mean(dim=1, keepdim=True).clamp_min(1e-30)
+        scale = scale[index].reshape(t.shape)  # [b, terms]
+        return (scale / scale.mean(dim=1, keepdim=True).clamp_min(1e-30)).to(t.device)
 
     def metrics(self) -> dict[str, float]:
         """``rollout_correction/mean`` and ``/max``: ``|logp_replay - logp_rollout|`` over every
