@@ -49,7 +49,7 @@ def test_the_actor_loss_of_a_step_is_its_weight_times_the_unweighted_loss(batch)
         terms = objective.prepare(rows, torch.Generator().manual_seed(0))
         losses[balance] = [objective.loss(actor, rows, ADVANTAGES, j, objective.replay(actor, rows, j), None, True)[0]
                            for j in range(terms)]
-        weights = objective.step_weights(rows) if balance else None
+        weights = rows.get("step_weights")  # what prepare gave the rows, with balance_steps
     assert len(losses[True]) >= 2
     for j, (plain, weighed) in enumerate(zip(losses[False], losses[True])):
         # every row of this batch shares one schedule, so a step's weight is one number

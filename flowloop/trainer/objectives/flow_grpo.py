@@ -54,9 +54,12 @@ class FlowGRPO:
                              "set rollout.algo.logprob_mode=density or actor.flow_grpo.balance_steps=false")
 
     def prepare(self, tensors: Rows, generator: torch.Generator) -> int:
-        """Nothing to draw; the first ``ceil(timestep_fraction x window)`` recorded steps train."""
+        """Nothing to draw; the first ``ceil(timestep_fraction x window)`` recorded steps train.
+        With ``balance_steps`` the rows get their step weights here, once an update."""
         self._correction = []
         self._terms = max(1, math.ceil(self.settings.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
+        if self.settings.balance_steps:
+            tensors["step_weights"] = self.step_weights(tensors)  # [B, terms]
         return self._terms
 
     def replay(self, policy: Policy, rows: Rows, j: int, reference: bool = False):
@@ -83,7 +86,7 @@ class FlowGRPO:
             self._correction.append((out.log_prob.detach() - rows["rollout_log_probs"][:, j]).abs())
         if old is None:
             old = rows["rollout_log_probs"][:, j]
-        weights = self.step_weights(rows)[:, j] if self.settings.balance_steps else None
+        weights = rows["step_weights"][:, j] if self.settings.balance_steps else None
         loss, diag = flow_grpo_loss(out.log_prob, old, advantages, self.settings.clip_range, cfg.adv_clip_max,
                                     weights)
         diag = {**diag, **per_step_diagnostics(diag, out.log_prob.detach() - old, advantages, j)}
