@@ -18,10 +18,10 @@ import statistics
 import time
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from flowloop.models import load_flow_model
 from flowloop.tasks import shapes
+from flowloop.trainer.bench import count_flops
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -54,9 +54,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
     with torch.no_grad():
-        with FlopCounterMode(display=False) as counter:
-            dit(*inputs(1))
-        flops = counter.get_total_flops()
+        flops = count_flops(lambda: dit(*inputs(1)))
         print(f"DiT forward: {flops / 1e6:.1f} MFLOP per sample (32x32, {text.shape[1]} text tokens)")
         rates = {}
         for b in (1, args.batch):

@@ -3,8 +3,10 @@
 import json
 
 import torch
+from torch import nn
 
 from flowloop.cli import main
+from flowloop.trainer.bench import count_flops
 
 
 def test_bench_reports_the_ceiling_rollout_update_and_step(tiny_model_dir, tmp_path):
@@ -61,3 +63,28 @@ def test_the_ceiling_runs_in_the_rollout_servers_batches(tiny_model):
         hook.remove()
     assert seconds > 0 and flops > 0
     assert rows == [3, 3, 2] * (1 + 1 + 2)  # FLOPs counted, warm-up, then one timed loop of 2 steps
+
+
+class _Block(nn.Module):
+    """A linear layer that records whether its last call ran inside compiled code."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.compiled = nn.Linear(8, 8), None
+
+    def forward(self, x):
+        self.compiled = torch.compiler.is_compiling()
+        return self.linear(x)
+
+
+def test_counting_flops_sees_every_op_and_leaves_compiled_code_compiled():
+    torch._dynamo.reset()
+    block, x = _Block(), torch.randn(4, 8)
+    block.compile(backend="eager")
+    with torch.no_grad():
+        block(x)
+        assert block.compiled
+        assert count_flops(lambda: block(x)) == 2 * 4 * 8 * 8  # the matmul, seen by the counter: run eager
+        assert block.compiled is False
+        block(x)
+    assert block.compiled  # a plain FlopCounterMode here leaves the block eager from then on
