@@ -25,15 +25,18 @@ def _objective(sampling, balance: bool):
 def test_sde_weights_follow_the_closed_form_and_favour_high_noise(batch):  # noqa: F811
     _, sampling = batch
     objective = _objective(sampling, True).objective
-    t, t_next = sigmas(10, shift=3.0)[:-1].double(), sigmas(10, shift=3.0)[1:].double()
-    objective._terms = 9  # the last step ends at t = 0 and is noisy too; train the first nine
-    weights = objective.step_weights({"all_timesteps": t[None, :9].float(), "all_next_timesteps": t_next[None, :9].float()})
+    schedule = sigmas(10, shift=3.0).double()
+    t, t_next = schedule[:-1], schedule[1:]  # [10] each: every step of the trajectory
+    rows = {"all_timesteps": t[None].float(), "all_next_timesteps": t_next[None].float(),
+            "rollout_log_probs": torch.zeros(1, 10)}
+    assert objective.prepare(rows, torch.Generator()) == 10
+    weights = rows["step_weights"]  # [1, 10]
 
     # sde_step: s = a sqrt(t / (1 - t)) (t_next in the denominator at t = 1), std = s sqrt(-dt),
     # mean = x + (v + s^2 / (2t) (x + (1 - t) v)) dt, so d mean / d v = (1 + s^2 (1 - t) / (2t)) dt.
-    a, dt = sampling.noise_level, (t_next - t)[:9]
-    s = a * torch.sqrt(t[:9] / (1 - torch.where(t[:9] == 1, t_next[:9], t[:9])))
-    scale = s * torch.sqrt(-dt) / ((1 + s * s * (1 - t[:9]) / (2 * t[:9])) * dt.abs())
+    a, dt = sampling.noise_level, t_next - t
+    s = a * torch.sqrt(t / (1 - torch.where(t == 1, t_next, t)))
+    scale = s * torch.sqrt(-dt) / ((1 + s * s * (1 - t) / (2 * t)) * dt.abs())
     torch.testing.assert_close(weights[0].double(), scale / scale.mean(), rtol=1e-5, atol=1e-6)
     assert weights.mean().item() == pytest.approx(1.0, abs=1e-6)
     assert (weights[0, :-1] > weights[0, 1:]).all()  # the earlier (noisier) step always weighs more
