@@ -57,10 +57,10 @@ class FlowGRPO:
         """Nothing to draw; the first ``ceil(timestep_fraction x window)`` recorded steps train.
         With ``balance_steps`` the rows get their step weights here, once an update."""
         self._correction = []
-        self._terms = max(1, math.ceil(self.settings.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
+        terms = max(1, math.ceil(self.settings.timestep_fraction * tensors["rollout_log_probs"].shape[1]))
         if self.settings.balance_steps:
-            tensors["step_weights"] = self.step_weights(tensors)  # [B, terms]
-        return self._terms
+            tensors["step_weights"] = self.step_weights(tensors, terms)  # [B, terms]
+        return terms
 
     def replay(self, policy: Policy, rows: Rows, j: int, reference: bool = False):
         """Re-run step ``j`` of the window for ``rows``; returns the sampler's `StepOutput`."""
@@ -99,14 +99,15 @@ class FlowGRPO:
                      mode=self.settings.kl_mode)
         return loss, diag, kl.mean()
 
-    def step_weights(self, rows: Rows) -> torch.Tensor:
-        """``[b, terms]`` ``std / |d mean / d v|`` of each trained step's transition, divided by its
-        row's mean (``actor.flow_grpo.balance_steps``). Every sampler's mean is affine in the
+    def step_weights(self, rows: Rows, terms: int) -> torch.Tensor:
+        """``[b, terms]`` ``std / |d mean / d v|`` of the transitions of each row's first ``terms``
+        (trained) steps, divided by the row's mean (``actor.flow_grpo.balance_steps``). Every
+        sampler's mean is affine in the
         velocity, so ``d mean / d v`` is the mean at ``v = 1`` minus the mean at ``v = 0``; both
         come from the sampler itself, once per distinct ``(t, t_next)`` pair (rows share their
         schedule), on the host. Deterministic steps (std 0) weigh 0."""
-        t = rows["all_timesteps"][:, :self._terms].float()  # [b, terms]
-        t_next = rows["all_next_timesteps"][:, :self._terms].float()
+        t = rows["all_timesteps"][:, :terms].float()  # [b, terms]
+        t_next = rows["all_next_timesteps"][:, :terms].float()
         pairs, index = torch.unique(torch.stack([t, t_next], -1).reshape(-1, 2).cpu(), dim=0, return_inverse=True)
         zero = torch.zeros(len(pairs), 1)  # [pairs, 1]: one latent element a pair
 
