@@ -16,7 +16,9 @@ Components: ``Qwen2_5_VLForConditionalGeneration`` (text encoder, its Qwen2 toke
   model dtype as the pipeline does) and predicts ``eps - x0``, flowloop's velocity.
 - Text rows of different lengths share a batch under ``prompt_embeds_mask`` (CFG's ``[cond;
   negative]`` rows included); ``velocity`` trims the padding every row has, as the pipeline pads
-  only to the longest prompt.
+  only to the longest prompt. With compiled blocks (``model.compile``) it pads to a multiple of
+  ``text_length_multiple`` instead: each text length is a new shape to a compiled graph, and a
+  prompt of a length not seen before compiled its graph inside a training step.
 
 True CFG: the pipeline rescales the guided velocity to the conditional one's norm, token by
 token; `QwenImageFlowModel.combine_guidance` does that, for the engine to call instead of its plain
@@ -80,6 +82,10 @@ class QwenImageFlowModel:
         self.transformer = transformer
         self.vae = frozen(vae)
         self.max_sequence_length = max_sequence_length
+        self.text_length_multiple = 1
+        """``velocity`` runs the text rows at the longest prompt's length rounded up to a multiple of
+        this (zeros under the mask past each prompt); 1: the longest prompt's length, as the
+        pipeline. `flowloop.models.compiled.bucket_text_lengths` raises it for compiled blocks."""
         self.vae_scale_factor = 2 ** len(vae.config.temperal_downsample)  # 8, as the pipeline computes it
         self.patch_size = transformer.config.patch_size
         self.latent_channels = transformer.config.in_channels // (self.patch_size * self.patch_size)
@@ -156,10 +162,15 @@ class QwenImageFlowModel:
         """``latents [B, C, h, w]`` float32 -> ``eps - x0`` float32, through the packed MMDiT."""
         batch, _, height, width = latents.shape
         dtype = self.dtype
-        # 1. Text: cut the padding every row has (a longer pad changes nothing under the mask).
+        # 1. Text: cut the padding every row has, up to the length multiple (a longer pad changes
+        # nothing under the mask).
         mask = embeds["prompt_embeds_mask"].to(self.device).bool()  # [B, L]
         length = int(mask.any(0).nonzero().max()) + 1
-        text, mask = embeds["prompt_embeds"][:, :length].to(self.device, dtype), mask[:, :length]  # [B, l, D], [B, l]
+        length = -(-length // self.text_length_multiple) * self.text_length_multiple
+        text, mask = embeds["prompt_embeds"][:, :length].to(self.device, dtype), mask[:, :length]  # [B, <=l, D], [B, <=l]
+        pad = length - text.shape[1]  # rows encoded at their batch's longest prompt can be shorter
+        text = torch.nn.functional.pad(text, (0, 0, 0, pad)).contiguous()  # [B, l, D]: one layout, one graph
+        mask = torch.nn.functional.pad(mask, (0, pad)).contiguous()  # [B, l]
         # 2. Latents as 2x2 patches; the pipeline's timestep is t = 1000 sigma in the model dtype, sent as t / 1000.
         hidden = _pack(latents.to(self.device, dtype), self.patch_size)  # [B, h*w/4, 4C]
         sigma = torch.as_tensor(sigma, device=self.device).expand(batch)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from flowloop.compute import compute_executor
 from flowloop.models import load_flow_model
 from flowloop.models.autocast import autocast_forward
-from flowloop.models.compiled import compile_image_decoder, compile_repeated_blocks
+from flowloop.models.compiled import bucket_text_lengths, compile_image_decoder, compile_repeated_blocks
 from flowloop.protocol import Batch
 from flowloop.rollout.engine import RolloutEngine
 from flowloop.rollout.server import RolloutServer
@@ -90,6 +90,8 @@ class ModelWorker:
         if cfg.model.compile:  # after LoRA and sharding: the compiled blocks hold the adapters
             for module in dict.fromkeys(m.trainable_module() for m in (self.model, self.sampler)):
                 compile_repeated_blocks(module, rollout_only=cfg.model.compile == "rollout")
+            for model in dict.fromkeys((self.model, self.sampler)):
+                bucket_text_lengths(model)
             if "rollout" in roles:
                 compile_image_decoder(self.sampler)
         self.server = None

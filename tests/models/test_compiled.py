@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from flowloop.models import load_flow_model
-from flowloop.models.compiled import compile_image_decoder, compile_repeated_blocks
+from flowloop.models.compiled import bucket_text_lengths, compile_image_decoder, compile_repeated_blocks
 from flowloop.models.sd3 import LORA_TARGETS
 from tests.models.test_sd3 import T5_TOKENS, sd3_dir  # noqa: F401  (the tiny SD3 folder fixture)
 from tests.models.tiny_diffusers import PROMPTS, check_lora_update, prompt_ids, rollout
@@ -39,6 +39,23 @@ def test_compiled_blocks_give_eager_velocities_and_a_replayable_lora_update(sd3_
     latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model.decode(latents), eager.decode(latents), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # inductor compiles C++ kernels on the CPU: ~20 s on 2 cores
+def test_prompts_of_different_lengths_share_one_compiled_graph(tmp_path, tiny_model):
+    from tests.models.tiny_diffusers_video import save_qwen_image
+
+    torch._dynamo.reset()
+    model = load_flow_model(save_qwen_image(tmp_path / "qwen", num_layers=2))
+    assert compile_repeated_blocks(model.transformer, rollout_only=True) == 2
+    assert bucket_text_lengths(model) and not bucket_text_lengths(tiny_model)  # only a model that cuts its text
+    x = torch.randn(1, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
+    graphs = []
+    with torch.no_grad():
+        for prompt in ["a red circle", "two blue squares on a green mat"]:  # two text lengths
+            model.velocity(x, torch.full((1,), 0.5), model.encode_prompt(*prompt_ids(model, [prompt])))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] >= 1  # the second length compiled nothing
 
 
 def test_only_an_image_autoencoder_decoder_is_compiled(tiny_model):

@@ -101,6 +101,35 @@ def test_a_row_gets_one_velocity_whatever_prompts_share_its_batch(model):
             assert torch.allclose(alone, together[i:i + 1], atol=1e-5)
 
 
+def _text_lengths_seen(model, prompts, multiple):
+    """The text length each prompt reaches the transformer with, and its velocity, at ``multiple``."""
+    lengths = []
+    hook = model.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: lengths.append(kwargs["encoder_hidden_states"].shape[1]), with_kwargs=True)
+    model.text_length_multiple = multiple
+    x = torch.randn(1, *model.latent_shape(RES, RES), generator=torch.Generator().manual_seed(4))
+    try:
+        with torch.no_grad():
+            velocities = [model.velocity(x, torch.full((1,), 0.5), model.encode_prompt(*prompt_ids(model, [p])))
+                          for p in prompts]
+    finally:
+        hook.remove()
+        model.text_length_multiple = 1
+    return lengths, velocities
+
+
+def test_text_padded_to_a_length_multiple_gives_one_shape_and_the_same_velocity(model):
+    """Compiled blocks see one text shape for prompts of different lengths, at the velocity of the exact length."""
+    from flowloop.models.compiled import TEXT_LENGTH_MULTIPLE
+
+    prompts = ["a red circle", "two blue squares on a green mat"]
+    exact, exact_v = _text_lengths_seen(model, prompts, 1)
+    padded, padded_v = _text_lengths_seen(model, prompts, TEXT_LENGTH_MULTIPLE)
+    assert exact[0] < exact[1] < TEXT_LENGTH_MULTIPLE and padded == [TEXT_LENGTH_MULTIPLE] * 2
+    for a, b in zip(exact_v, padded_v):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_weights_take_and_give_float32(folder):
     model = load_flow_model(folder, dtype="bfloat16")
     embeds = model.encode_prompt(*prompt_ids(model, ["a red circle"]))

@@ -93,7 +93,7 @@ def _perturb(module: torch.nn.Module) -> None:
                 param.normal_(std=0.02)
 
 
-def save_qwen_image(path: str | Path, seed: int = 0) -> Path:
+def save_qwen_image(path: str | Path, seed: int = 0, num_layers: int = 1) -> Path:
     """Write a tiny random ``QwenImagePipeline`` folder (a few hundred thousand parameters)."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -114,7 +114,7 @@ def save_qwen_image(path: str | Path, seed: int = 0) -> Path:
     )
     Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path / "text_encoder")
     transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=4 * LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_layers=1,
+        patch_size=2, in_channels=4 * LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_layers=num_layers,
         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_DIM, axes_dims_rope=(4, 6, 6),
     )
     _perturb(transformer)
