@@ -36,7 +36,7 @@ from torch import nn
 
 TEXT_LENGTH_MULTIPLE = 64
 """What `bucket_text_lengths` rounds a model's text rows up to: prompts of 1-64 tokens share one
-graph, 65-128 the next; at most 64 padded tokens beside Qwen-Image's 1024 image tokens at 512x512."""
+graph, 65-128 the next; at most 63 padded tokens beside Qwen-Image's 1024 image tokens at 512x512."""
 
 RECOMPILE_LIMIT = 64
 """Graphs a compiled block's code may hold before torch falls back to eager (raised to this, never
@@ -69,8 +69,8 @@ def compile_repeated_blocks(module: nn.Module, rollout_only: bool = False) -> in
 def bucket_text_lengths(model) -> bool:
     """Make ``model`` pad its text rows to a multiple of `TEXT_LENGTH_MULTIPLE` when it cuts them to
     the batch's longest prompt (Qwen-Image's ``text_length_multiple``); whether it does. Without
-    it every new prompt length is a new shape to the compiled blocks, and the graph for it compiled
-    inside a timed step (Qwen-Image's compiled rollout ran 1.56x the bare forward's time)."""
+    it every new prompt length is a new shape to the compiled blocks: a graph compiled inside a
+    training step, and past `RECOMPILE_LIMIT` lengths the blocks run eager."""
     if not hasattr(model, "text_length_multiple"):
         return False
     model.text_length_multiple = TEXT_LENGTH_MULTIPLE
