@@ -25,8 +25,9 @@ KL reference (adapters off, a different module state) and for the update, and th
 block once more (its input carries no gradient): 10 graphs. With the default, SD3.5's
 first RL step hit the limit on an H100 and, on a small SD3 with the same layouts, the update's
 plain and last blocks then ran eager. ``RECOMPILE_LIMIT`` leaves room for those and a few batch
-shapes; with ``rollout_only``, prompts of many text lengths compile one graph per length up to
-it (each one block's compile time) and run eager past it.
+shapes; with ``rollout_only``, each text length is a graph (one block's compile time), so a
+model that cuts its text to the batch's longest prompt pads it to `TEXT_LENGTH_MULTIPLE`
+(`bucket_text_lengths`).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def compile_repeated_blocks(module: nn.Module, rollout_only: bool = False) -> in
 def bucket_text_lengths(model) -> bool:
     """Make ``model`` pad its text rows to a multiple of `TEXT_LENGTH_MULTIPLE` when it cuts them to
     the batch's longest prompt (Qwen-Image's ``text_length_multiple``); whether it does. Without
-    it every new prompt length is a new shape to the compiled blocks: a graph compiled inside a
-    training step, and past `RECOMPILE_LIMIT` lengths the blocks run eager."""
+    it every new prompt length is a new shape to the compiled blocks, whose graph then compiles
+    inside a training step (with ``rollout_only``, one graph a length until `RECOMPILE_LIMIT`)."""
     if not hasattr(model, "text_length_multiple"):
         return False
     model.text_length_multiple = TEXT_LENGTH_MULTIPLE
