@@ -169,8 +169,9 @@ class QwenImageFlowModel:
         length = -(-length // self.text_length_multiple) * self.text_length_multiple
         text, mask = embeds["prompt_embeds"][:, :length].to(self.device, dtype), mask[:, :length]  # [B, <=l, D], [B, <=l]
         pad = length - text.shape[1]  # rows encoded at their batch's longest prompt can be shorter
-        text = torch.nn.functional.pad(text, (0, 0, 0, pad)).contiguous()  # [B, l, D]: one layout, one graph
-        mask = torch.nn.functional.pad(mask, (0, pad)).contiguous()  # [B, l]
+        if pad:
+            text, mask = torch.nn.functional.pad(text, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
+        text, mask = text.contiguous(), mask.contiguous()  # [B, l, D], [B, l]: one layout, one graph
         # 2. Latents as 2x2 patches; the pipeline's timestep is t = 1000 sigma in the model dtype, sent as t / 1000.
         hidden = _pack(latents.to(self.device, dtype), self.patch_size)  # [B, h*w/4, 4C]
         sigma = torch.as_tensor(sigma, device=self.device).expand(batch)
