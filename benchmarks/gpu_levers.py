@@ -60,16 +60,19 @@ def main() -> None:
             print(table_row(*rows[-1]), flush=True)
     print(f"\n{rows[0][2]['device'] if rows else ''}, {args.family}, {args.n} images a step")
     print("| lever | round | ceiling img/s | rollout img/s | update s | RL step img/s | rollout / ceiling "
-          "| step MFU | log-prob gap | peak GiB |")
+          "| step MFU | log-prob gap max / mean | peak GiB |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         print(table_row(*row))
 
 
 def table_row(name: str, round_: int, f: dict) -> str:
+    mean = f.get("rollout_vs_replay_logprob_gap_mean")
+    gap_mean = "-" if mean is None else f"{mean:.1e}"
     return (f"| {name} | {round_} | {f['ceiling']['images_per_s']:.3f} | {f['rollout']['images_per_s']:.3f} "
             f"| {f['update']['seconds']:.2f} | {f['step']['images_per_s']:.3f} | {f['rollout']['of_ceiling']:.2f} "
-            f"| {f['step']['mfu']:.1%} | {f['rollout_vs_replay_logprob_gap']:.1e} | {f['peak_memory_gib']:.1f} |")
+            f"| {f['step']['mfu']:.1%} | {f['rollout_vs_replay_logprob_gap']:.1e} / {gap_mean} "
+            f"| {f['peak_memory_gib']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
                      "sync_s": t3 - t2, "step_s": t3 - t0,
                      "reward_max_s": out.meta_info.get("timing", {}).get("agent_loop/reward_time/max"),
                      **{name: engine[name] - engine_before[name] for name in engine_keys},
-                     "correction_max": metrics.get("rollout_correction/max")})
+                     "correction_max": metrics.get("rollout_correction/max"),
+                     "correction_mean": metrics.get("rollout_correction/mean")})
         engine_before = engine
         log(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[-1].items() if v is not None))
     return rows, out
@@ -221,6 +222,7 @@ def run_bench(cfg, build=None, steps: int = 3, log=print) -> dict:
                  "tflops": (rollout_flops + update_flops) / mean("step_s") / 1e12, "sync_seconds": mean("sync_s")},
         "peak_memory_gib": peak,
         "rollout_vs_replay_logprob_gap": max((t["correction_max"] or 0.0) for t in timed_steps),
+        "rollout_vs_replay_logprob_gap_mean": mean("correction_mean"),
     }
     for part in ("ceiling", "rollout", "update", "step"):
         figures[part]["mfu"] = figures[part]["tflops"] / peak_tflops
@@ -256,8 +258,10 @@ def format_figures(figures: dict) -> str:
     if rollout["slowest_reward_seconds"] is not None:
         lines.append(f"outside the engine {rollout['seconds'] - rollout['engine_seconds']:.3f} s (agent loop and reward; "
                      f"the slowest row's reward {rollout['slowest_reward_seconds']:.3f} s)")
+    gap_mean = figures["rollout_vs_replay_logprob_gap_mean"]
     lines.append(f"rollout / ceiling {figures['rollout']['of_ceiling']:.2f}; rollout-vs-replay log-prob gap "
-                 f"{figures['rollout_vs_replay_logprob_gap']:.2e}; peak memory "
+                 f"{figures['rollout_vs_replay_logprob_gap']:.2e} max"
+                 + ("" if gap_mean is None else f", {gap_mean:.2e} mean") + "; peak memory "
                  + (f"{figures['peak_memory_gib']:.1f} GiB" if figures['peak_memory_gib'] is not None else "n/a (CPU)"))
     return "\n".join(lines)
 

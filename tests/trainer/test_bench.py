@@ -35,6 +35,7 @@ def test_bench_reports_the_ceiling_rollout_update_and_step(tiny_model_dir, tmp_p
     assert set(phases) == {"prompts", "denoise", "decode", "outputs"} and min(phases.values()) > 0
     assert 0.5 * figures["rollout"]["engine_seconds"] < sum(phases.values()) <= figures["rollout"]["engine_seconds"]
     assert figures["rollout_vs_replay_logprob_gap"] <= 1e-5  # float32 on the CPU: replay reproduces the rollout
+    assert 0 <= figures["rollout_vs_replay_logprob_gap_mean"] <= figures["rollout_vs_replay_logprob_gap"]
     # The slowest row's reward wait: part of the rollout, and not inside the engine.
     assert 0 < figures["rollout"]["slowest_reward_seconds"] < figures["rollout"]["seconds"]
 
