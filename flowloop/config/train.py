@@ -41,7 +41,7 @@ class ModelConfig:
     """``true``: ``torch.compile`` each repeated transformer block of the denoiser, for rollout and
     update, and an image VAE's decoder for the rollout (`flowloop.models.compiled`). ``rollout``:
     the same, but the blocks run compiled only in calls without gradients (the rollout, a KL
-    reference forward) and eager in the update, for a model whose update gets slower compiled.
+    reference forward) and eager in the update, which then compiles no backward graphs.
     Costs compile time at the first batches and again at each new batch shape, so it is off
     unless asked for."""
     autocast: bool = False

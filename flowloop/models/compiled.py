@@ -11,9 +11,9 @@ decodes every sample once, and eager it costs a tenth of the denoising loop's ti
 small; video VAEs decode frame by frame with a Python-side cache and stay eager.
 
 ``rollout_only`` compiles the blocks for calls made without gradients (the rollout, the bare
-forward, a KL reference forward) and leaves the update's backward-carrying calls eager: a model
-whose checkpointed update gets slower compiled (Qwen-Image) can still sample at the compiled
-speed. Those graphs specialize on each batch shape (``dynamic=False``): a rollout's batches come
+forward, a KL reference forward) and leaves the update's backward-carrying calls eager: the
+rollout samples at the compiled speed while the update keeps eager kernels and no backward
+graphs to compile. Those graphs specialize on each batch shape (``dynamic=False``): a rollout's batches come
 in few shapes, and with dynamic shapes Qwen-Image's compiled loop ran no faster than eager. Each
 new shape (batch rows, text length) compiles once.
 
