@@ -13,9 +13,9 @@ small; video VAEs decode frame by frame with a Python-side cache and stay eager.
 ``rollout_only`` compiles the blocks for calls made without gradients (the rollout, the bare
 forward, a KL reference forward) and leaves the update's backward-carrying calls eager: the
 rollout samples at the compiled speed while the update keeps eager kernels and no backward
-graphs to compile. Those graphs specialize on each batch shape (``dynamic=False``): a rollout's batches come
-in few shapes, and with dynamic shapes Qwen-Image's compiled loop ran no faster than eager. Each
-new shape (batch rows, text length) compiles once.
+graphs to compile. Those graphs specialize on each batch shape (``dynamic=False``): a rollout's
+batches come in few shapes, and with dynamic shapes Qwen-Image's compiled loop ran no faster
+than eager. Each new shape (batch rows, text length) compiles once.
 
 Every graph a block's code holds counts against one limit (torch's ``recompile_limit``, 8 by
 default), shared by all the blocks of a stack, and past it the block runs eager without a word
