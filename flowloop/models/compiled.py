@@ -25,9 +25,9 @@ KL reference (adapters off, a different module state) and for the update, and th
 block once more (its input carries no gradient): 10 graphs. With the default, SD3.5's
 first RL step hit the limit on an H100 and, on a small SD3 with the same layouts, the update's
 plain and last blocks then ran eager. ``RECOMPILE_LIMIT`` leaves room for those and a few batch
-shapes; with ``rollout_only``, each text length is a graph (one block's compile time), so a
-model that cuts its text to the batch's longest prompt pads it to `TEXT_LENGTH_MULTIPLE`
-(`bucket_text_lengths`).
+shapes; each text length is a graph too (for the rollout, and with the update compiled for its
+forward and backward), so a model that cuts its text to the batch's longest prompt pads it to
+`TEXT_LENGTH_MULTIPLE` (`bucket_text_lengths`).
 """
 
 from __future__ import annotations
