@@ -41,19 +41,25 @@ def test_compiled_blocks_give_eager_velocities_and_a_replayable_lora_update(sd3_
         torch.testing.assert_close(model.decode(latents), eager.decode(latents), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # inductor compiles C++ kernels on the CPU: ~20 s on 2 cores
-def test_prompts_of_different_lengths_share_one_compiled_graph(tmp_path, tiny_model):
+@pytest.mark.slow  # inductor compiles C++ kernels on the CPU: ~20 s on 2 cores for each case
+@pytest.mark.parametrize("rollout_only", [True, False], ids=["rollout", "update"])
+def test_prompts_of_different_lengths_share_one_compiled_graph(tmp_path, tiny_model, rollout_only):
+    """The rollout's no-grad calls and, with the update compiled, its forward and backward."""
     from tests.models.tiny_diffusers_video import save_qwen_image
 
     torch._dynamo.reset()
     model = load_flow_model(save_qwen_image(tmp_path / "qwen", num_layers=2))
-    assert compile_repeated_blocks(model.transformer, rollout_only=True) == 2
+    assert compile_repeated_blocks(model.transformer, rollout_only=rollout_only) == 2
     assert bucket_text_lengths(model) and not bucket_text_lengths(tiny_model)  # only a model that cuts its text
     x = torch.randn(1, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
     graphs = []
-    with torch.no_grad():
+    with torch.set_grad_enabled(not rollout_only):
         for prompt in ["a red circle", "two blue squares on a green mat"]:  # two text lengths
-            model.velocity(x, torch.full((1,), 0.5), model.encode_prompt(*prompt_ids(model, [prompt])))
+            with torch.no_grad():
+                embeds = model.encode_prompt(*prompt_ids(model, [prompt]))
+            v = model.velocity(x, torch.full((1,), 0.5), embeds)
+            if not rollout_only:
+                v.square().mean().backward()
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[0] >= 1  # the second length compiled nothing
 
