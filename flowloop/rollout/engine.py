@@ -101,7 +101,7 @@ class _Record:
 class RolloutEngine:
     """Batched sampling over a `FlowModel`: ``sample(requests) -> [DiffusionOutput]``."""
 
-    def __init__(self, model: FlowModel, cpu_shards: int | None = 1):
+    def __init__(self, model: FlowModel, cpu_shards: int | None = 1, device_rows: bool = False):
         """``cpu_shards``: on a CPU, run a batch as up to this many slices side by side, each on
         its own share of the intra-op threads (`flowloop.compute.shard_executor`, which starts
         threads of its own); a slice gets at least ``MIN_SHARD_ROWS`` rows. 1 (the default):
@@ -109,11 +109,16 @@ class RolloutEngine:
         ``AUTO_SHARD_MAX_THREADS`` of them, else none (what ``rollout.server.cpu_shards`` gives
         `flowloop train` by default). A row's result does not depend on the slicing (batch
         invariance). The engine changes nothing process-wide; `flowloop.allocator` is the
-        caller's to opt into."""
+        caller's to opt into. ``device_rows``: a training row's rollout tensors (prompt embeddings,
+        latents, timesteps) stay on the model's device instead of coming to the host; for a
+        replica whose training rows are held for an update in its own process
+        (`flowloop.trainer.held_rows`), where the round trip through the host is all cost. Images
+        and log-probs always come to the host."""
         if cpu_shards is not None and (isinstance(cpu_shards, bool) or not isinstance(cpu_shards, int) or cpu_shards < 1):
             raise ValueError(f"cpu_shards must be None (auto) or an int >= 1, got {cpu_shards!r}")
         self.model = model
         self.cpu_shards = cpu_shards
+        self.device_rows = device_rows
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
         """Seconds spent in each of `PHASES` over every batch so far (device work included)."""
         self._empty_prompt_ids = encode_chat(model.tokenizer, [{"role": "user", "content": ""}])  # the unconditional prompt
@@ -221,7 +226,8 @@ class RolloutEngine:
                   for r, g in zip(requests, generators)]
         latents = randn_per_sample(starts, (len(requests), *shape)).to(device)  # [B, *shape]
         # 3. Prompts, each distinct one encoded once.
-        embeds, host_embeds = self._encode(requests, needs_uncond(params.guidance_scale), device)
+        keep_on_device = self.device_rows and params.logprobs  # a training row whose update runs here
+        embeds, row_embeds = self._encode(requests, needs_uncond(params.guidance_scale), device, keep_on_device)
         clock.lap("prompts")
         # 4. Denoise, recording each row inside its window.
         latents, records = self._denoise(latents, params, generators, windows, embeds)
@@ -229,7 +235,7 @@ class RolloutEngine:
         # 5. Decode.
         images = self.model.decode(latents).float()  # [B, C, H, W] or [B, T, C, H, W]
         clock.lap("decode")
-        outputs = _outputs(requests, images, host_embeds, records if params.logprobs else None, latents)
+        outputs = _outputs(requests, images, row_embeds, records if params.logprobs else None, latents, keep_on_device)
         clock.lap("outputs")
         return outputs, clock.seconds
 
@@ -238,12 +244,13 @@ class RolloutEngine:
             return range(0)
         return sde_window(params.num_inference_steps, params.sde_window_size, params.window_range(), generator)
 
-    def _encode(self, requests: Sequence[RolloutRequest], cfg: bool,
-                device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    def _encode(self, requests: Sequence[RolloutRequest], cfg: bool, device: torch.device,
+                keep_on_device: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
         """Per-row prompt (and, with CFG, negative or empty prompt) embeddings ``[B, L, D]`` on the
-        device; and the same per row on the host, where the rows of one prompt share one tensor
-        (a group's rows share one prompt: a copy per row would move and store the group's size
-        times the bytes, and a batch pickled whole carries each shared tensor once)."""
+        device; and the same per row for the outputs, on the host (or, ``keep_on_device``, left on
+        the device), where the rows of one prompt share one tensor (a group's rows share one
+        prompt: a copy per row would move and store the group's size times the bytes, and a batch
+        pickled whole carries each shared tensor once)."""
         rows = [r.prompt_ids for r in requests]
         if cfg:
             rows += [r.negative_prompt_ids if r.negative_prompt_ids is not None else self._empty_prompt_ids for r in requests]
@@ -255,13 +262,13 @@ class RolloutEngine:
         encoded = self.model.encode_prompt(ids, mask)  # each [P, ...]
         on_device = torch.tensor(index, device=encoded["prompt_embeds"].device)
         rows_embeds = {name: value[on_device] for name, value in encoded.items()}  # each [B or 2B, ...]
-        host = {}
+        per_row = {}
         for name, value in encoded.items():
-            distinct_rows = [value[p].to("cpu", copy=True) for p in range(len(value))]  # each its own storage
-            host[name] = [distinct_rows[i] for i in index]
+            distinct_rows = own_rows(value, keep_on_device)
+            per_row[name] = [distinct_rows[i] for i in index]
         if not cfg:
-            return rows_embeds, host
-        return _conditional_and_negative(rows_embeds, len(requests)), _conditional_and_negative(host, len(requests))
+            return rows_embeds, per_row
+        return _conditional_and_negative(rows_embeds, len(requests)), _conditional_and_negative(per_row, len(requests))
 
     def _denoise(
         self,
@@ -365,34 +372,47 @@ def _outputs(
     embeds: dict[str, list[torch.Tensor]],
     records: list[_Record] | None,
     final_latents: torch.Tensor,
+    keep_on_device: bool = False,
 ) -> list[DiffusionOutput]:
-    """One `DiffusionOutput` a row, its tensors on the CPU, each with its own storage (a view
-    would carry, and pickle, the whole batch). ``embeds``: each row's host embeddings (`_encode`). Each
-    batch tensor crosses to the host in one copy: a copy per row and field would wait on the
-    device once per copy."""
-    images, final_latents = images.cpu(), final_latents.cpu()
+    """One `DiffusionOutput` a row, each tensor with its own storage (a view would carry, and
+    pickle, the whole batch), on the host; with ``keep_on_device`` the rollout tensors (all but
+    the image and the log-probs) stay on the device. ``embeds``: each row's embeddings (`_encode`).
+    The windowed steps' tensors cross to the host as one copy a field: a copy per row and step
+    would wait on the device once each."""
+    images = own_rows(images)
+    finals = own_rows(final_latents, keep_on_device)
     if records is not None:
         windowed = [b for b, record in enumerate(records) if record.latents]
         stacked = {}
         fields = {"all_latents": "latents", "all_timesteps": "timesteps", "all_next_timesteps": "next_timesteps",
                   "log_probs": "log_probs"}
         for key, attr in fields.items() if windowed else ():
-            parts = [torch.stack(getattr(records[b], attr)) for b in windowed]
-            stacked[key] = dict(zip(windowed, torch.cat(parts).cpu().split([len(part) for part in parts])))
+            parts = [torch.stack(getattr(records[b], attr)) for b in windowed]  # timesteps on the host, the rest not
+            where = final_latents.device if keep_on_device and key != "log_probs" else "cpu"
+            stacked[key] = dict(zip(windowed, torch.cat(parts).to(where).split([len(part) for part in parts])))
     outputs = []
     for b, request in enumerate(requests):
         extra = {name: value[b] for name, value in embeds.items()}  # [L, D] / [L], shared by the rows of a prompt
         log_probs = None
         if records is not None:
-            extra["final_latents"] = final_latents[b].clone()  # [...] the clean latent (DiffusionNFT trains on it)
+            extra["final_latents"] = finals[b]  # [...] the clean latent (DiffusionNFT trains on it)
             log_probs = torch.zeros(0)  # an ODE rollout has no window: W = 0
             if b in stacked.get("log_probs", {}):
                 extra["all_latents"] = stacked["all_latents"][b].clone()  # [W+1, ...] float32
                 extra["all_timesteps"] = stacked["all_timesteps"][b].clone()  # [W]
                 extra["all_next_timesteps"] = stacked["all_next_timesteps"][b].clone()  # [W]
                 log_probs = stacked["log_probs"][b].clone()  # [W]
-        outputs.append(DiffusionOutput(request.request_id, images[b].clone(), log_probs, extra, {}))
+        outputs.append(DiffusionOutput(request.request_id, images[b], log_probs, extra, {}))
     return outputs
+
+
+def own_rows(batch: torch.Tensor, keep_on_device: bool = False) -> list[torch.Tensor]:
+    """``batch [B, ...]`` as B tensors with storage of their own, on the host (or, with
+    ``keep_on_device``, where ``batch`` is), each in one copy: from a GPU, a row's copy to the
+    host is already its own."""
+    if batch.device.type == "cpu" or keep_on_device:
+        return [row.clone() for row in batch]
+    return [row.cpu() for row in batch]
 
 
 class _PhaseClock:

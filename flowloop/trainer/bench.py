@@ -92,7 +92,7 @@ def step_batch(cfg, step: int, weight_version: int, task=None) -> Batch:
 def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[list[dict], Batch]:
     """``steps`` RL steps through the trainer's own calls; per step its seconds (rollout,
     update, update compute, weight sync, whole step), the engine's own sampling seconds and
-    the rollout-correction max; and the last step's batch."""
+    the rollout-correction max; and the last step's batch, with its rollout tensors."""
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
     group.sync_weights(manager, 0)
     engine_keys = {"engine_s": "engine_time_s", **{f"{phase}_s": f"engine_{phase}_s" for phase in PHASES}}
@@ -107,6 +107,9 @@ def rl_steps(group, manager, cfg, steps: int, log=print, task=None) -> tuple[lis
         t0 = time.perf_counter()
         out = manager.generate_sequences(step_batch(cfg, step, step - 1, task))
         t1 = time.perf_counter()
+        held = getattr(group.local_worker, "held", None)
+        if step == steps and held is not None:  # the bare forward reads this batch's rollout tensors: restore them here
+            out = held.restore(out)
         advantages = compute_advantages(cfg.advantage.estimator, out["rm_scores"][:, 0], out["uid"]).advantages
         metrics = group.update(out, advantages, generator)
         t2 = time.perf_counter()

@@ -1,11 +1,13 @@
-"""`HeldRows`: the rollout tensors a colocated Ray worker keeps where it sampled them.
+"""`HeldRows`: the rollout tensors a colocated worker keeps where it sampled them.
 
 A training row's prompt embeddings and latents (megabytes per row at real sizes) are needed by
-the update alone, and with colocated placement the update runs in the very process that sampled
-them. So instead of sending them to the agent-loop worker, the driver and back through Ray's
-object store, the worker keeps them and the row carries a ``held_row`` reference
-(``"<rank>:<request id>"``); `restore` puts them back into the batch on every rank (several ranks
-exchange their rows with one collective). Images still travel: the reward needs them.
+the update alone, and with colocated placement (a Ray worker of both roles, or a local run on a
+GPU) the update runs in the very process that sampled them. So instead of copying them to the
+host and sending them to the agent-loop worker, the driver (through Ray's object store) and
+back, the worker keeps them on its device (`RolloutEngine`'s ``device_rows``) and the row
+carries a ``held_row`` reference (``"<rank>:<request id>"``); `restore` puts them back into the
+batch on every rank (several ranks exchange their rows, through the host, with one collective).
+Images still travel: the reward needs them.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class HeldRows:
         # A row this rank should hold and does not is reported after the collective, so no rank hangs.
         with self._lock:
             mine = {i: self._rows.pop(request_id, None) for i, (rank, request_id) in enumerate(refs) if int(rank) == self.rank}
+        if self.world_size > 1:  # rows cross ranks through the host: a device tensor pickled names this rank's GPU
+            mine = {i: None if row is None else (row[0], {k: v.cpu() for k, v in row[1].items()}) for i, row in mine.items()}
         rows = dict(mine)
         if self.world_size > 1:
             everyone = [None] * self.world_size

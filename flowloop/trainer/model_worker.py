@@ -52,7 +52,7 @@ class ModelWorker:
         (``tcp://host:port``); None runs without torch.distributed (one rank). ``build``: a
         picklable callable returning the `FlowModel`, run in this process, in place of loading
         ``cfg.model.path`` (models built in memory, e.g. random weights at real size).
-        ``hold_rows`` (colocated, in its own process): training rows' rollout tensors stay here
+        ``hold_rows`` (colocated): training rows' rollout tensors stay here, on the model's device,
         for the update instead of travelling to the driver and back (`HeldRows`)."""
         unknown = set(roles) - set(ROLES)
         if unknown or not roles:
@@ -97,7 +97,8 @@ class ModelWorker:
         self.server = None
         if "rollout" in roles:
             s = cfg.rollout.server
-            self.server = RolloutServer(RolloutEngine(self.sampler, s.cpu_shards), s.max_batch_size, s.max_wait_ms)
+            engine = RolloutEngine(self.sampler, s.cpu_shards, device_rows=hold_rows)
+            self.server = RolloutServer(engine, s.max_batch_size, s.max_wait_ms)
         self.held = None
         if hold_rows:
             self._need("actor", "hold_rows")

@@ -54,7 +54,9 @@ class WorkerGroup:
             # Sampling ahead, the replica needs its own model: the update must not change it mid-batch.
             return cls([ModelWorker(cfg, ("actor",), build=build)], [ModelWorker(cfg, ("rollout",), build=build)], False)
         if scale.mode == "local":
-            worker = ModelWorker(cfg, ROLES, build=build)
+            # On a GPU the rows' rollout tensors stay there for the update (no round trip through
+            # the host); on a CPU they are already where the update reads them.
+            worker = ModelWorker(cfg, ROLES, build=build, hold_rows=torch.device(cfg.model.device).type != "cpu")
             return cls([worker], [worker])
         ray = require("ray", "scale.mode=ray")
         if not ray.is_initialized():
