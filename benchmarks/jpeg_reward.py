@@ -1,5 +1,5 @@
-"""JPEG reward: `jpeg_sizes_kb` (quantised in place, frames encoded on a thread pool) against the
-earlier code (quantised out of place, frames encoded one after another), same sizes.
+"""JPEG reward: `jpeg_sizes_kb` (each frame quantised and encoded on a thread pool) against the
+earlier code (the batch quantised out of place, frames encoded one after another), same sizes.
 
     .venv/bin/python benchmarks/jpeg_reward.py [--batch 16] [--size 512] [--repeats 5]
 

@@ -59,21 +59,30 @@ def jpeg_incompressibility(images, prompts, metadata, *, scale_kb: float = 1.0):
 
 def jpeg_sizes_kb(images: torch.Tensor) -> list[float]:
     """JPEG size in kB of each image of ``[B, C, H, W]`` (C = 1 or 3, floats in [0, 1]); for
-    ``[B, T, C, H, W]`` the mean over each video's frames."""
+    ``[B, T, C, H, W]`` the mean over each video's frames. Each frame is quantised and encoded on
+    the pool's threads, so a batch's quantising runs on every core too."""
     if images.ndim not in (4, 5) or images.shape[-3] not in (1, 3):
         raise ValueError(f"images must be [B, C, H, W] or [B, T, C, H, W] with C = 1 or 3, got {tuple(images.shape)}")
     if images.ndim == 4:
         images = images.unsqueeze(1)  # [B, 1, C, H, W]: an image is a one-frame video
-    pixels = (images.detach().float().cpu() * 255).round_().clamp_(0, 255).to(torch.uint8)  # in place: half the time
-    frames = pixels.permute(0, 1, 3, 4, 2).numpy()  # [B, T, H, W, C]
-    flat = frames.reshape(-1, *frames.shape[2:])
-    sizes = np.array(list(_encoder_pool().map(_jpeg_bytes, flat)), dtype=np.float64).reshape(frames.shape[:2])
-    return [float(np.mean(video)) / 1000 for video in sizes]
+    frames = images.detach().float().cpu().numpy().reshape(-1, *images.shape[2:])  # [B*T, C, H, W]
+    sizes = np.array(list(_encoder_pool().map(_quantised_jpeg_bytes, frames)), dtype=np.float64)
+    return [float(np.mean(video)) / 1000 for video in sizes.reshape(images.shape[:2])]
 
 
 def _check_scale(scale_kb: float) -> None:
     if not scale_kb > 0:
         raise ValueError(f"scale_kb must be > 0, got {scale_kb}")
+
+
+def _quantised_jpeg_bytes(frame: np.ndarray) -> int:
+    """Bytes of one ``[C, H, W]`` float frame in [0, 1], quantised to 8 bits (x 255, rounded
+    half to even, as torch rounds) and saved as JPEG. NumPy's loops release the GIL and run on
+    one thread each, so the pool's threads quantise side by side without oversubscribing."""
+    pixels = frame * 255  # a new array: the caller's frame stays as it was
+    np.rint(pixels, out=pixels)
+    np.clip(pixels, 0, 255, out=pixels)
+    return _jpeg_bytes(pixels.astype(np.uint8).transpose(1, 2, 0))
 
 
 def _jpeg_bytes(frame: np.ndarray) -> int:
