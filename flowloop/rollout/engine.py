@@ -380,8 +380,8 @@ def _outputs(
     The windowed steps' tensors cross to the host as one copy a field: a copy per row and step
     would wait on the device once each."""
     images = own_rows(images)
-    finals = own_rows(final_latents, keep_on_device)
     if records is not None:
+        finals = own_rows(final_latents, keep_on_device)
         windowed = [b for b, record in enumerate(records) if record.latents]
         stacked = {}
         fields = {"all_latents": "latents", "all_timesteps": "timesteps", "all_next_timesteps": "next_timesteps",
