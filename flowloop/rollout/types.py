@@ -141,8 +141,10 @@ class DiffusionOutput:
     log_probs: torch.Tensor | None = None
     """``[W]`` float32 log-probs of the window's steps; None when not asked for."""
     extra_fields: dict[str, torch.Tensor] = field(default_factory=dict)
-    """All on the CPU, each its own storage (no views into a batch; the rows of one prompt share
-    their embedding tensors, which nothing writes to). Always:
+    """All on the CPU (an engine built with ``device_rows`` leaves a training row's on the model's
+    device: its replica holds them for the update, `flowloop.trainer.held_rows`), each its own
+    storage (no views into a batch; the rows of one prompt share their embedding tensors, which
+    nothing writes to). Always:
     the model's text conditioning, ``prompt_embeds [L, D]`` and ``prompt_embeds_mask [L]`` (padded
     to ``max_sequence_length``) plus any field the model adds (``pooled_prompt_embeds [D]``);
     with ``guidance_scale > 1``, the same fields of the negative prompt (or the empty prompt, for
