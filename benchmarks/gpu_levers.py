@@ -42,8 +42,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     levers = [tuple(part.strip() for part in spec.partition(":")[::2]) for spec in args.lever]
-    shared = (f"{SHARED} rollout.n={args.n} actor.mini_batch_size={args.n} "
-              f"actor.micro_batch_size={args.micro_batch} {args.extra}")
+    shared = shared_overrides(args.n, args.micro_batch, args.extra)
     rows = []
     for round_ in range(args.rounds):
         for name, overrides in (levers if round_ % 2 == 0 else levers[::-1]):
@@ -64,6 +63,11 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         print(table_row(*row))
+
+
+def shared_overrides(n: int, micro_batch: int, extra: str = "") -> str:
+    """`SHARED` for one prompt x ``n`` samples a step, trained in micro-batches of ``micro_batch``."""
+    return f"{SHARED} rollout.n={n} actor.mini_batch_size={n} actor.micro_batch_size={micro_batch} {extra}"
 
 
 def table_row(name: str, round_: int, f: dict) -> str:

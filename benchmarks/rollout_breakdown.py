@@ -25,20 +25,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gpu_levers import FAMILIES, SHARED  # noqa: E402
+from benchmarks.gpu_levers import FAMILIES, shared_overrides  # noqa: E402
 
 SECONDS: dict[str, list[float]] = collections.defaultdict(list)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _timed(owner, name: str, label: str, device: torch.device | None = None) -> None:
+    """Replace ``owner.name`` by a wrapper that appends each call's seconds to ``SECONDS[label]``:
+    with ``device``, a function whose device work is timed too (synchronized around it); without,
+    a coroutine (on the event loop, which must not block on the device)."""
+    from flowloop.trainer.bench import timed
 
-
-def _timed(owner, name: str, label: str, is_async: bool = False) -> None:
-    """Replace ``owner.name`` by a wrapper that appends each call's seconds to ``SECONDS[label]``."""
     inner = getattr(owner, name)
-    if is_async:
+    if device is None:
         @functools.wraps(inner)
         async def wrapper(*args, **kwargs):
             start = time.perf_counter()
@@ -49,13 +48,8 @@ def _timed(owner, name: str, label: str, is_async: bool = False) -> None:
     else:
         @functools.wraps(inner)
         def wrapper(*args, **kwargs):
-            _sync()
-            start = time.perf_counter()
-            try:
+            with timed(device, SECONDS[label]):
                 return inner(*args, **kwargs)
-            finally:
-                _sync()
-                SECONDS[label].append(time.perf_counter() - start)
     setattr(owner, name, wrapper)
 
 
@@ -78,22 +72,22 @@ def main() -> None:
     from flowloop.trainer import bench
     from flowloop.trainer.placement import WorkerGroup
 
-    overrides = shlex.split(f"{SHARED} rollout.n={args.n} actor.mini_batch_size={args.n} "
-                            f"actor.micro_batch_size={args.micro_batch} {args.extra}")
+    overrides = shlex.split(shared_overrides(args.n, args.micro_batch, args.extra))
     cfg = load_config(TrainConfig, overrides, [recipe_path(args.family)])
     group = WorkerGroup.create(cfg, bench.random_model_builder(args.family, cfg))
     manager = AgentLoopManager.create(cfg.rollout, group.local_worker.model, replicas=group.replicas)
     try:
         bench.rl_steps(group, manager, cfg, 2)  # compiles, warms up
-        _timed(engine.RolloutEngine, "_encode", "prompt encoding (engine._encode)")
-        _timed(engine, "randn_per_sample", "noise (randn_per_sample, every call)")
-        _timed(type(group.local_worker.model), "encode_prompt", "text encoders (model.encode_prompt)")
-        _timed(engine, "_outputs", "host copies (engine._outputs)")
-        _timed(engine.RolloutEngine, "sample", "engine.sample")
-        _timed(RewardWorker, "_call", "reward call (stack + reward fn)", is_async=True)
-        _timed(compression, "jpeg_sizes_kb", "JPEG sizes (reward fn)")
-        _timed(AgentLoopWorker, "_postprocess", "agent loop stacking (_postprocess)")
-        _timed(AgentLoopWorker, "generate_sequences", "agent loop worker, whole call", is_async=True)
+        device = torch.device(cfg.model.device)
+        _timed(engine.RolloutEngine, "_encode", "prompt encoding (engine._encode)", device)
+        _timed(engine, "randn_per_sample", "noise (randn_per_sample, every call)", device)
+        _timed(type(group.local_worker.model), "encode_prompt", "text encoders (model.encode_prompt)", device)
+        _timed(engine, "_outputs", "host copies (engine._outputs)", device)
+        _timed(engine.RolloutEngine, "sample", "engine.sample", device)
+        _timed(RewardWorker, "_call", "reward call (stack + reward fn)")
+        _timed(compression, "jpeg_sizes_kb", "JPEG sizes (reward fn)", device)
+        _timed(AgentLoopWorker, "_postprocess", "agent loop stacking (_postprocess)", device)
+        _timed(AgentLoopWorker, "generate_sequences", "agent loop worker, whole call")
         rows, _ = bench.rl_steps(group, manager, cfg, 1)
         print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, {args.family}, "
               f"{args.n} samples; timed step (device synchronized around each part):")
